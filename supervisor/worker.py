@@ -1,0 +1,197 @@
+"""The vLLM worker process: its command line, its own session, and a stop that leaves no orphan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import structlog
+
+from appliance.settings import EngineSettings
+
+log = structlog.get_logger("supervisor.worker")
+
+VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+def build_command(engine: EngineSettings) -> list[str]:
+    """`python -m <vllm server>` with the settings turned into flags; the worker binds loopback."""
+    cpu = engine.resolved_device() == "cpu"
+    args = [
+        str(engine.python), "-m", VLLM_ENTRY,
+        "--model", engine.model,
+        "--served-model-name", engine.model_name,
+        "--host", engine.host,
+        "--port", str(engine.port),
+        "--dtype", engine.dtype or ("float32" if cpu else "auto"),
+    ]
+    if engine.enforce_eager if engine.enforce_eager is not None else cpu:
+        args.append("--enforce-eager")
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if cpu:
+        # One process on the CPU: the multiprocess executor only costs memory there.
+        kv_bytes = engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        args += ["--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(kv_bytes)]
+    else:
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        if engine.kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+    if engine.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser]
+    if engine.reasoning_parser:
+        args += ["--reasoning-parser", engine.reasoning_parser]
+    if engine.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args + list(engine.extra_args)
+
+
+def build_env(engine: EngineSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    # Nothing may download weights at run time; the worker reads local directories only.
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.pop("VIRTUAL_ENV", None)
+    if engine.resolved_device() == "cpu":
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.update(engine.env)
+    return env
+
+
+def describe_exit(returncode: int | None) -> str:
+    """'exit 1', 'SIGKILL (out of memory?)', 'running' for a process that had not exited."""
+    if returncode is None:
+        return "running"
+    if returncode >= 0:
+        return f"exit {returncode}"
+    sig = signal.Signals(-returncode)
+    hint = {
+        signal.SIGKILL: " (killed: out of memory, or an operator?)",
+        signal.SIGSEGV: " (crashed in native code)",
+        signal.SIGABRT: " (aborted)",
+    }.get(sig, "")
+    return f"{sig.name}{hint}"
+
+
+@dataclass
+class StopReport:
+    returncode: int | None
+    escalated: bool  # SIGKILL was needed
+    stragglers: list[int]  # pids of the tree still alive after the group signal, killed by pid
+
+
+class WorkerProcess:
+    """One running worker: the server process leads its own session, children included."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, started_at: float) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self.started_at = started_at
+        self._pumps = [
+            asyncio.create_task(_pump(stream, name))
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+            if stream is not None
+        ]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def tree_pids(self) -> set[int]:
+        """Every live process in the worker's session: the server, EngineCore, helpers."""
+        return {p.pid for p in session_members(self.pid)}
+
+    async def stop(self, grace_s: float) -> StopReport:
+        """SIGTERM to the group, grace, SIGKILL to the group, then kill and reap any straggler."""
+        _signal_group(self.pid, signal.SIGTERM)
+        escalated = False
+        if not await _wait_gone(self, grace_s):
+            escalated = True
+            log.warning("worker.stop_escalated", pid=self.pid, grace_s=grace_s, signal="SIGKILL")
+            _signal_group(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            await asyncio.wait_for(self._proc.wait(), timeout=10)
+        stragglers = session_members(self.pid)
+        for proc in stragglers:  # a child that left the process group still shares the session
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        await asyncio.to_thread(psutil.wait_procs, stragglers, 5)
+        for pump in self._pumps:
+            pump.cancel()
+        return StopReport(self._proc.returncode, escalated, [p.pid for p in stragglers])
+
+
+class ProcessLauncher:
+    """Starts real vLLM workers from the engine settings."""
+
+    def __init__(self, engine: EngineSettings) -> None:
+        self._engine = engine
+
+    async def start(self) -> WorkerProcess:
+        if self._engine.command is None and not Path(self._engine.python).exists():
+            raise FileNotFoundError(
+                f"engine interpreter {self._engine.python} not found: run install.sh "
+                "or set engine.python"
+            )
+        command = self._engine.command or build_command(self._engine)
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=build_env(self._engine),
+            start_new_session=True,  # own session and group: one signal reaches EngineCore too
+        )
+        log.info("worker.spawned", pid=proc.pid, argv=command)
+        return WorkerProcess(proc, time.monotonic())
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Live, non-zombie processes whose session id is `sid` (the worker leads its session)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return members
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _wait_gone(worker: WorkerProcess, timeout_s: float) -> bool:
+    """True once the server exited and no other member of its session is alive."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if worker.returncode is not None and not session_members(worker.pid):
+            return True
+        await asyncio.sleep(0.1)
+    return worker.returncode is not None and not session_members(worker.pid)
+
+
+async def _pump(stream: asyncio.StreamReader, name: str) -> None:
+    """Re-emit the worker's output line by line through structlog, tagged source=worker."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line beyond the reader's limit: skip it rather than stall the pipe
+            continue
+        if not line:
+            return
+        log.info("worker.output", source="worker", stream=name,
+                 line=line.decode(errors="replace").rstrip())

@@ -1,0 +1,253 @@
+"""The engine state machine with fake workers, fake probes and a fake clock: no process, no sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from appliance.engine import EngineState
+from appliance.settings import Settings
+from supervisor.manager import EngineManager
+from supervisor.worker import StopReport
+
+pytestmark = pytest.mark.anyio
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        self.now += delay
+        await asyncio.sleep(0)
+
+
+@dataclass
+class FakeWorker:
+    pid: int
+    boots: bool = True  # answers /health and the canary once started
+    healthy: bool = True
+    decodes: bool = True
+    returncode: int | None = None
+    stopped_with: float | None = None
+    _exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def tree_pids(self) -> set[int]:
+        return {self.pid, self.pid + 1}
+
+    async def stop(self, grace_s: float) -> StopReport:
+        self.stopped_with = grace_s
+        if self.returncode is None:
+            self.exit(-signal.SIGTERM)
+        return StopReport(self.returncode, False, [])
+
+
+class FakeLauncher:
+    """Hands out workers made by `make` (default: a healthy one); remembers them all."""
+
+    def __init__(self, make: Callable[[int], FakeWorker] | None = None) -> None:
+        self.workers: list[FakeWorker] = []
+        self._make = make or (lambda pid: FakeWorker(pid))
+
+    async def start(self) -> FakeWorker:
+        worker = self._make(100 + 10 * len(self.workers))
+        self.workers.append(worker)
+        return worker
+
+    @property
+    def current(self) -> FakeWorker:
+        return self.workers[-1]
+
+
+class FakeProber:
+    def __init__(self, launcher: FakeLauncher) -> None:
+        self._launcher = launcher
+        self.canaries = 0
+
+    def _live(self) -> FakeWorker | None:
+        worker = self._launcher.current if self._launcher.workers else None
+        return worker if worker is not None and worker.returncode is None else None
+
+    async def healthy(self) -> bool:
+        worker = self._live()
+        return bool(worker and worker.boots and worker.healthy)
+
+    async def serving(self) -> bool:
+        return await self.healthy()
+
+    async def canary(self, timeout_s: float) -> bool:
+        self.canaries += 1
+        worker = self._live()
+        return bool(worker and worker.boots and worker.decodes)
+
+
+def make_manager(launcher: FakeLauncher, clock: FakeClock, **supervisor: float) -> EngineManager:
+    settings = Settings(supervisor={"backoff_jitter": 0, "backoff_initial_s": 1,
+                                    "backoff_max_s": 8, **supervisor})
+    return EngineManager(settings, launcher, FakeProber(launcher), clock=clock,
+                         sleep=clock.sleep, rand=lambda: 0.5)
+
+
+async def until(condition: Callable[[], bool], turns: int = 5000) -> None:
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never became true")
+
+
+async def test_healthy_worker_becomes_ready_and_stop_leaves_it_stopped() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    assert manager.pid == 100
+    assert manager.snapshot()["state"] == "ready"
+    manager.request_stop()
+    await task
+    assert manager.state is EngineState.STOPPED
+    assert launcher.current.stopped_with == manager._sup.stop_grace_s
+    assert manager.restarts == 0
+
+
+async def test_crash_after_ready_is_seen_at_once_then_restarted() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_interval_s=30)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    lost = manager.lost()
+    causes: list[str] = []
+    manager.listeners.append(lambda old, new, cause: causes.append(f"{new.value}: {cause}"))
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: bool(causes), turns=10)
+    # The exit callback flips the state itself, not the next probe of the watch loop.
+    assert causes[0].startswith("stopping: worker exited: SIGKILL")
+    assert lost.is_set()
+    await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
+    last = manager.snapshot()["last_exit"]
+    assert (last["phase"], last["reason"]) == ("running", "exited")
+    assert "SIGKILL" in last["detail"] and "crashed after ready" in last["detail"]
+    assert manager.restarts == 1
+    manager.request_stop()
+    await task
+
+
+async def test_boot_failure_is_told_apart_from_a_crash() -> None:
+    clock = FakeClock()
+    launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=pid != 100))
+    manager = make_manager(launcher, clock)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: len(launcher.workers) == 1)
+    launcher.current.exit(1)
+    await until(lambda: manager.state is EngineState.READY)
+    assert manager.last_exit is not None
+    assert manager.last_exit.phase == "boot"
+    assert manager.last_exit.detail == "never became ready: exit 1"
+    manager.request_stop()
+    await task
+
+
+async def test_startup_timeout_is_a_boot_failure() -> None:
+    clock = FakeClock()
+    launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=pid != 100))
+    manager = make_manager(launcher, clock, startup_timeout_s=60)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: len(launcher.workers) == 2)
+    assert manager.last_exit is not None
+    assert (manager.last_exit.phase, manager.last_exit.reason) == ("boot", "startup_timeout")
+    assert launcher.workers[0].stopped_with is not None
+    manager.request_stop()
+    await task
+
+
+async def test_backoff_doubles_between_restarts_and_is_capped() -> None:
+    clock = FakeClock()
+    launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=False))
+    manager = make_manager(launcher, clock, crash_loop_restarts=50, startup_timeout_s=1,
+                           health_interval_s=0.5)
+    starts: list[float] = []
+    manager.listeners.append(
+        lambda old, new, cause: starts.append(clock.now) if new is EngineState.STARTING else None)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: len(starts) >= 7)
+    manager.request_stop()
+    await task
+    gaps = [round(b - a - 1.0, 3) for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:6] == [1, 2, 4, 8, 8, 8]  # each gap: 1 s of failed boot + the backoff delay
+
+
+async def test_crash_loop_goes_failed_and_retries_once_the_window_passes() -> None:
+    clock = FakeClock()
+    launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=pid >= 130))
+    manager = make_manager(launcher, clock, crash_loop_restarts=3, crash_loop_window_s=600,
+                           startup_timeout_s=5)
+    states: list[EngineState] = []
+    manager.listeners.append(lambda old, new, cause: states.append(new))
+    task = asyncio.create_task(manager.run())
+    await until(lambda: EngineState.FAILED in states)
+    failed_at = clock.now
+    assert len(launcher.workers) == 3
+    assert manager.retry_after_s() > 60
+    await until(lambda: manager.state is EngineState.READY)
+    assert clock.now - failed_at > 500  # held in failed until the oldest restart left the window
+    manager.request_stop()
+    await task
+
+
+async def test_consecutive_health_failures_restart_the_worker() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_failures=3, canary_interval_s=10_000)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.healthy = False
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    assert manager.last_exit is not None and manager.last_exit.reason == "unhealthy"
+    assert launcher.workers[0].stopped_with is not None
+    manager.request_stop()
+    await task
+
+
+async def test_stall_with_failed_canary_is_declared_hung() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, stall_timeout_s=10, canary_interval_s=10_000)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    manager.note_request(+1)
+    launcher.current.decodes = False  # /health stays 200: only the canary can tell
+    await until(lambda: manager.pid == 110)
+    assert manager.last_exit is not None and manager.last_exit.reason == "hung"
+    manager.note_request(-1)
+    manager.request_stop()
+    await task
+
+
+async def test_progress_keeps_a_busy_worker_alive() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, stall_timeout_s=10, canary_interval_s=10_000)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    manager.note_request(+1)
+    launcher.current.decodes = False
+    start = clock.now
+    while clock.now - start < 100:
+        manager.note_progress()
+        await asyncio.sleep(0)
+    assert manager.pid == 100 and manager.state is EngineState.READY
+    manager.request_stop()
+    await task
