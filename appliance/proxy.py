@@ -1,0 +1,173 @@
+"""The upstream proxy: forwards a vetted request to the worker and relays its answer unbuffered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import structlog
+
+from appliance.engine import EngineState, EngineView
+from appliance.errors import ApiError, EngineUnavailable, error_body
+from appliance.settings import ServerSettings
+
+log = structlog.get_logger("appliance.proxy")
+
+# Hop-by-hop and framing headers are the proxy's own business, never forwarded.
+_DROP = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+    "proxy-connection", "te", "trailer", "upgrade", "date", "server",
+})
+_END = object()
+
+
+@dataclass
+class Upstream:
+    """The worker's reply before its body: status and headers, then the open response."""
+
+    status: int
+    headers: dict[str, str]
+    response: httpx.Response
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+
+class Disconnected(Exception):
+    """The client went away before the worker answered; the upstream request was closed."""
+
+
+class Proxy:
+    """One pooled HTTP client to the worker; each call has a timeout and a terminal answer."""
+
+    def __init__(self, engine: EngineView, server: ServerSettings) -> None:
+        self._engine = engine
+        self._client = httpx.AsyncClient(
+            base_url=engine.base_url,
+            timeout=httpx.Timeout(server.upstream_read_timeout_s,
+                                  connect=server.upstream_connect_timeout_s),
+            limits=httpx.Limits(max_connections=server.upstream_max_connections,
+                                max_keepalive_connections=server.upstream_max_connections),
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def ensure_ready(self) -> None:
+        """Engine not serving: 503 with Retry-After before any work is done for the request."""
+        state = self._engine.state
+        if state is not EngineState.READY:
+            raise EngineUnavailable(
+                f"the engine is {state.value}; retry shortly",
+                code="engine_unavailable",
+                retry_after_s=self._engine.retry_after_s(),
+            )
+
+    async def open(self, method: str, path: str, body: bytes | None,
+                   headers: dict[str, str]) -> Upstream:
+        """Send the request and wait for the worker's status line and headers, not the body."""
+        self.ensure_ready()
+        request = self._client.build_request(method, path, content=body, headers=headers)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self.unavailable(exc) from exc
+        kept = {k: v for k, v in response.headers.items() if k.lower() not in _DROP}
+        return Upstream(response.status_code, kept, response)
+
+    async def read(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
+                   disconnected: Callable[[], Awaitable[None]]) -> tuple[Upstream, bytes]:
+        """A whole non-streaming exchange; closes the upstream at once if the client leaves."""
+        self._engine.note_request(+1)
+        exchange = asyncio.ensure_future(self._exchange(method, path, body, headers))
+        watchers = [asyncio.ensure_future(disconnected()),
+                    asyncio.ensure_future(self._engine.lost().wait())]
+        try:
+            await asyncio.wait([exchange, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            if exchange.done():
+                return exchange.result()
+            exchange.cancel()  # closes the upstream connection: vLLM aborts the request
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await exchange
+            if watchers[0].done():
+                raise Disconnected()
+            raise EngineUnavailable("the engine stopped while answering this request",
+                                    code="engine_lost", retry_after_s=self._engine.retry_after_s())
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+            self._engine.note_request(-1)
+
+    async def _exchange(self, method: str, path: str, body: bytes | None,
+                        headers: dict[str, str]) -> tuple[Upstream, bytes]:
+        upstream = await self.open(method, path, body, headers)
+        try:
+            content = await upstream.response.aread()
+        except httpx.HTTPError as exc:
+            raise self.unavailable(exc) from exc
+        finally:
+            await upstream.response.aclose()
+        self._engine.note_progress()
+        return upstream, content
+
+    async def relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
+        """Yield the worker's stream as it comes; a worker lost mid-way ends in an SSE error."""
+        # Unbounded on purpose: what it can hold is bounded by this one response's tokens, and
+        # the terminal item must always fit, or a lost worker would leave the client hanging.
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        self._engine.note_request(+1)
+        reader = asyncio.ensure_future(self._pump(upstream.response, queue))
+        lost = self._engine.lost()
+        guard = asyncio.ensure_future(lost.wait())
+        guard.add_done_callback(lambda _: reader.cancel())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, bytes):
+                    yield item
+                    continue
+                if item is _END:
+                    return
+                yield sse_error(item if isinstance(item, str) else "the engine stopped mid-stream")
+                return
+        finally:
+            guard.cancel()
+            reader.cancel()  # the reader closes the upstream response in its own finally
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self._engine.note_request(-1)
+            for callback in upstream.on_close:
+                callback()
+
+    async def _pump(self, response: httpx.Response, queue: asyncio.Queue[object]) -> None:
+        outcome: object = _END
+        try:
+            async for chunk in response.aiter_raw():
+                self._engine.note_progress()
+                queue.put_nowait(chunk)
+        except httpx.HTTPError as exc:
+            log.warning("upstream.stream_broken", error=type(exc).__name__)
+            outcome = "the engine stopped mid-stream; partial output above"
+        except asyncio.CancelledError:
+            outcome = "the engine was restarted mid-stream; partial output above"
+            raise
+        finally:
+            queue.put_nowait(outcome)
+            await response.aclose()
+
+    def unavailable(self, exc: httpx.HTTPError) -> ApiError:
+        log.warning("upstream.unreachable", error=type(exc).__name__, state=self._engine.state.value)
+        return EngineUnavailable(
+            "the engine is not answering; retry shortly",
+            code="engine_unavailable",
+            retry_after_s=self._engine.retry_after_s(),
+        )
+
+
+def sse_error(message: str, code: str = "engine_lost") -> bytes:
+    """The terminal SSE pair a client sees when a stream cannot finish: error event, [DONE]."""
+    payload = error_body(message, "service_unavailable", None, code)
+    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,162 @@
+"""`chat-appliance serve`: start-up and shutdown of the supervisor, as numbered steps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+
+import structlog
+import uvicorn
+
+from appliance.app import create_app
+from appliance.engine import EngineState
+from appliance.metrics import Metrics
+from appliance.settings import Settings
+from supervisor.gpuwatch import build_gpu_watch
+from supervisor.manager import EngineManager
+from supervisor.probe import HttpProber
+from supervisor.sdnotify import Notifier
+from supervisor.worker import ProcessLauncher
+
+log = structlog.get_logger("supervisor.serve")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the supervisor decides when the API stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Signals:
+    """Signal handlers only record; the serve loop acts. A second signal forces the stop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._record, sig)
+
+    def _record(self, sig: signal.Signals) -> None:
+        self.count += 1
+        log.info("supervisor.signal", signal=sig.name, count=self.count)
+        (self.first if self.count == 1 else self.second).set()
+
+
+async def serve(settings: Settings) -> int:
+    loop = asyncio.get_running_loop()
+    signals = Signals()
+    signals.install(loop)
+    notifier = Notifier.from_env()
+
+    # 1. The engine manager, with its probes and the GPU monitor (absent GPU: probes alone).
+    engine = settings.engine
+    gpu = await build_gpu_watch(settings.gpu)
+    prober = HttpProber(engine.base_url, engine.model_name, settings.supervisor.health_timeout_s)
+    manager = EngineManager(settings, ProcessLauncher(engine), prober, gpu=gpu)
+    metrics = Metrics(manager)
+    manager.listeners.append(metrics.observe_transition)
+    manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
+    manager.restart_listeners.append(metrics.observe_restart)
+
+    # 2. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
+    manager_task: asyncio.Task[None] | None = None
+    app = create_app(settings, manager, metrics=metrics,
+                     alive=lambda: manager_task is not None and not manager_task.done())
+    server = _Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+                                    log_config=None, access_log=False, lifespan="on",
+                                    timeout_keep_alive=30))
+    server_task = asyncio.create_task(_run_server(server))
+    if not await _wait_listening(server, server_task):
+        log.error("supervisor.api_failed", host=settings.server.host, port=settings.server.port)
+        return EXIT_FAILURE
+    log.info("supervisor.listening", host=settings.server.host, port=settings.server.port)
+    notifier.ready(f"API listening on {settings.server.port}; engine starting")
+
+    # 3. The worker, and the watchdog ping that proves this loop still turns.
+    manager_task = asyncio.create_task(manager.run())
+    watchdog = asyncio.create_task(_watchdog(notifier, manager_task, server_task))
+
+    # 4. Run until a signal, or until the API or the manager ends on its own.
+    await _first(signals.first.wait(), manager_task, server_task)
+    failed = server_task.done() or manager_task.done()
+    log.info("supervisor.stopping", cause="internal failure" if failed else "signal")
+    notifier.stopping()
+
+    # 5. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
+    manager.begin_drain()
+    await _drain(manager, settings.supervisor.drain_timeout_s, signals.second)
+
+    # 6. Stop the worker (group SIGTERM, grace, SIGKILL, reap), then the API.
+    manager.request_stop()
+    with contextlib.suppress(asyncio.CancelledError):
+        await manager_task
+    watchdog.cancel()
+    server.should_exit = True
+    with contextlib.suppress(asyncio.CancelledError, SystemExit):
+        await server_task
+    await prober.aclose()
+    await metrics.aclose()
+    if gpu is not None:
+        gpu.close()
+    log.info("supervisor.stopped", restarts=manager.restarts)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+async def _run_server(server: _Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits this way when it cannot bind
+        log.error("supervisor.api_exit")
+
+
+async def _wait_listening(server: _Server, task: asyncio.Task[None]) -> bool:
+    while not server.started:
+        if task.done():
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _first(*awaitables: object) -> None:
+    tasks = [a if isinstance(a, asyncio.Future) else asyncio.ensure_future(a)  # type: ignore[arg-type]
+             for a in awaitables]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task, original in zip(tasks, awaitables, strict=True):
+        if task is not original:
+            task.cancel()
+
+
+async def _drain(manager: EngineManager, timeout_s: float, forced: asyncio.Event) -> None:
+    deadline = time.monotonic() + timeout_s
+    while manager.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():
+        await asyncio.sleep(0.1)
+    log.info("supervisor.drained", left=manager.in_flight, forced=forced.is_set())
+
+
+async def _watchdog(notifier: Notifier, *tasks: asyncio.Task[None]) -> None:
+    """WATCHDOG=1 only while the manager and the API both run: a frozen loop sends nothing."""
+    interval = notifier.watchdog_interval_s()
+    if interval is None:
+        return
+    while all(not task.done() for task in tasks):
+        notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
+def _report_state(notifier: Notifier, manager: EngineManager, state: EngineState,
+                  cause: str) -> None:
+    notifier.status(f"engine {state.value} ({cause}); restarts {manager.restarts}")
+    if state is EngineState.STARTING:
+        # A model load can take minutes on a big GPU model; keep systemd from timing out.
+        notifier.extend_timeout(manager.startup_timeout_s)

@@ -1,0 +1,114 @@
+"""Start and stop a real `chat-appliance serve` (real supervisor, real vLLM CPU worker)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from appliance.settings import default_engine_python, default_model
+from supervisor.worker import session_members
+
+ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Appliance:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    engine_port: int
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=5)
+
+    def worker_pid(self) -> int:
+        return int(self.health().json()["pid"])
+
+    def wait_ready(self, timeout_s: float = ENGINE_BOOT_S) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                response = self.health()
+                if response.status_code == 200:
+                    return dict(response.json())
+            time.sleep(0.5)
+        raise AssertionError(f"appliance not ready after {timeout_s}s:\n{self.tail()}")
+
+    def log_events(self) -> list[dict[str, object]]:
+        events = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+        return events
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+def require_engine() -> None:
+    """The real engine is a prerequisite, not an option: say how to get it, don't skip."""
+    python, model = default_engine_python(), Path(default_model())
+    missing = [str(p) for p in (python, model / "config.json") if not p.exists()]
+    if missing:
+        raise AssertionError(f"engine not installed ({', '.join(missing)}): run `bash install.sh`")
+
+
+@contextlib.contextmanager
+def running_appliance(tmp_path: Path, **settings: str) -> Iterator[Appliance]:
+    require_engine()
+    port, engine_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env |= {
+        "CHAT_APPLIANCE_SERVER__PORT": str(port),
+        "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
+        "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
+        "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+        "CHAT_APPLIANCE_SUPERVISOR__BACKOFF_INITIAL_S": "0.5",
+    }
+    env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
+    try:
+        yield appliance
+    finally:
+        appliance.stop()
+        with contextlib.suppress(Exception):  # a test that failed mid-way must not leak a worker
+            for member in session_members(appliance.proc.pid):
+                member.kill()
+
+
+def worker_tree(pid: int) -> list[int]:
+    """Live processes of the worker's session (the worker leads it)."""
+    return [p.pid for p in session_members(pid)]

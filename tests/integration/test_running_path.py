@@ -1,0 +1,139 @@
+"""The running path against the real vLLM CPU worker: OpenAI SDK in, supervised engine behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.harness import Appliance, running_appliance, worker_tree
+
+
+def client(appliance: Appliance) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="unused", max_retries=0)
+
+
+def model_id(appliance: Appliance) -> str:
+    return client(appliance).models.list().data[0].id
+
+
+def test_chat_completion_through_the_sdk(appliance: Appliance) -> None:
+    answer = client(appliance).chat.completions.create(
+        model=model_id(appliance), max_tokens=16, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 16
+
+
+def test_streamed_chat_completion_through_the_sdk(appliance: Appliance) -> None:
+    stream = client(appliance).chat.completions.create(
+        model=model_id(appliance), max_tokens=16, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "Count from one to five."}],
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len(pieces) > 2
+    assert "".join(pieces).strip()
+
+
+def test_completion_stream_and_non_stream(appliance: Appliance) -> None:
+    sdk, model = client(appliance), model_id(appliance)
+    whole = sdk.completions.create(model=model, prompt="The sky is", max_tokens=8)
+    assert whole.choices[0].text
+    parts = [c.choices[0].text for c in sdk.completions.create(
+        model=model, prompt="The sky is", max_tokens=8, stream=True) if c.choices]
+    assert "".join(parts)
+
+
+def test_request_id_is_taken_from_the_client_and_returned(appliance: Appliance) -> None:
+    response = httpx.post(f"{appliance.url}/v1/completions", timeout=60,
+                          headers={"X-Request-Id": "req-integration-42"},
+                          json={"prompt": "Hello", "max_tokens": 2})
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "req-integration-42"
+    bound = [e for e in appliance.log_events() if e.get("request_id") == "req-integration-42"]
+    assert bound, "the request id is bound into the appliance's log lines"
+
+
+def test_health_reports_the_worker(appliance: Appliance) -> None:
+    detail = appliance.health().json()
+    assert detail["state"] == "ready"
+    assert detail["pid"] and worker_tree(detail["pid"])
+    assert detail["restarts"] >= 0 and detail["uptime_s"] >= 0
+    assert httpx.get(f"{appliance.url}/livez", timeout=5).status_code == 200
+
+
+def _open_stream(appliance: Appliance, lines: list[str], started: threading.Event) -> None:
+    body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+
+
+def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance) -> None:
+    old_pid = appliance.worker_pid()
+    lines: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=_open_stream, args=(appliance, lines, started))
+    reader.start()
+    assert started.wait(60), "the stream never started"
+
+    os.kill(old_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    while True:
+        response = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=5,
+                              json={"messages": [{"role": "user", "content": "hi"}]})
+        if response.status_code == 503:
+            break
+        assert time.monotonic() - killed_at < 1.0, f"still {response.status_code} after 1 s"
+    assert time.monotonic() - killed_at < 1.0
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "engine_unavailable"
+
+    reader.join(30)
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2], "the stream ends with an SSE error event"
+
+    health = appliance.health()
+    assert health.status_code == 503
+    assert health.json()["last_exit"]["reason"] == "exited"
+    assert "SIGKILL" in health.json()["last_exit"]["detail"]
+
+    detail = appliance.wait_ready()
+    assert detail["pid"] != old_pid and detail["restarts"] >= 1
+    assert not worker_tree(old_pid), "no process of the killed worker's tree survives"
+    test_chat_completion_through_the_sdk(appliance)
+
+
+def test_stop_leaves_no_process_of_the_worker_tree(tmp_path: Path) -> None:
+    with running_appliance(tmp_path) as appliance:
+        pid = int(appliance.wait_ready()["pid"])
+        assert worker_tree(pid)
+        assert appliance.stop() == 0
+        assert not worker_tree(pid)
+        events = [e["event"] for e in appliance.log_events()]
+        assert "supervisor.stopped" in events
+        assert "worker.output" in events, "the worker's output is re-emitted with source=worker"
+
+
+@pytest.mark.parametrize("setting", [{"server__port": "not-a-port"}])
+def test_bad_config_exits_2(tmp_path: Path, setting: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env |= {f"CHAT_APPLIANCE_{k.upper()}": v for k, v in setting.items()}
+    result = subprocess.run([sys.executable, "-m", "supervisor.main", "serve"], env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "server.port" in result.stderr
