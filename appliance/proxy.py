@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 import structlog
 
@@ -122,7 +123,9 @@ class Proxy:
         reader = asyncio.ensure_future(self._pump(upstream.response, queue))
         lost = self._engine.lost()
         guard = asyncio.ensure_future(lost.wait())
-        guard.add_done_callback(lambda _: reader.cancel())
+        # Cancel the reader exactly once: a second cancel() would interrupt httpcore's own
+        # clean-up of the connection, leaving the worker generating for nobody.
+        guard.add_done_callback(lambda done: None if done.cancelled() else reader.cancel())
         try:
             while True:
                 item = await queue.get()
@@ -135,8 +138,11 @@ class Proxy:
                 return
         finally:
             guard.cancel()
-            reader.cancel()  # the reader closes the upstream response in its own finally
-            with contextlib.suppress(asyncio.CancelledError):
+            if not reader.done() and not (guard.done() and not guard.cancelled()):
+                reader.cancel()  # the reader closes the upstream response in its own finally
+            # Litestar cancels this generator through an anyio scope that re-cancels every
+            # await: shield the clean-up so the slot and the count are always given back.
+            with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
                 await reader
             self._engine.note_request(-1)
             for callback in upstream.on_close:

@@ -40,7 +40,7 @@ class Upstream:
                 break
         path = scope["path"]
         if path in ("/v1/chat/completions", "/v1/completions"):
-            await self._generate(json.loads(body or b"{}"), path, send)
+            await _until_disconnect(receive, self._generate(json.loads(body or b"{}"), path, send))
         elif path == "/health":
             await _json(send, 200, {})
         elif path == "/v1/models":
@@ -96,6 +96,25 @@ class Upstream:
                 await asyncio.sleep(self.delay)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
+
+
+async def _until_disconnect(receive: Any, work: Any) -> None:
+    """Run `work`, abandoning it when the client disconnects, as vLLM aborts a request."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise
+    finally:
+        watcher.cancel()
 
 
 async def _json(send: Any, status: int, payload: object) -> None:

@@ -1,0 +1,73 @@
+"""An in-process fake engine view and real local servers (synthetic upstream, the app)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from appliance.engine import EngineState
+from load.synthetic_upstream import Upstream
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class FakeEngine:
+    """EngineView with settable state; counts what the proxy reports."""
+
+    base_url: str
+    state: EngineState = EngineState.READY
+    pid: int | None = 4242
+    model_name: str = "synthetic"
+    requests: int = 0
+    progress: int = 0
+    _lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def retry_after_s(self) -> int:
+        return 7
+
+    def lost(self) -> asyncio.Event:
+        return self._lost
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": self.state.value, "pid": self.pid, "restarts": 0,
+                "gpu": {"status": "unavailable"}}
+
+    def note_request(self, delta: int) -> None:
+        self.requests += delta
+
+    def note_progress(self) -> None:
+        self.progress += 1
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int) -> AsyncIterator[uvicorn.Server]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+                                           access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "server failed to start"
+        await asyncio.sleep(0.01)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def upstream(tokens: int = 8, delay: float = 0.0) -> AsyncIterator[tuple[Upstream, str]]:
+    port = free_port()
+    fake = Upstream(tokens, delay, "synthetic")
+    async with serving(fake, port):
+        yield fake, f"http://127.0.0.1:{port}"

@@ -1,0 +1,130 @@
+"""The API over a fake engine view and a real synthetic upstream: status, relay, terminal answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from appliance.app import create_app
+from appliance.engine import EngineState
+from appliance.settings import Settings
+from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+
+pytestmark = pytest.mark.anyio
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@contextlib.asynccontextmanager
+async def appliance(engine: FakeEngine, **settings: object) -> AsyncIterator[httpx.AsyncClient]:
+    port = free_port()
+    async with serving(create_app(Settings(**settings), engine), port), httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=10
+    ) as client:
+        yield client
+
+
+@pytest.mark.parametrize("state", [EngineState.STARTING, EngineState.BACKOFF,
+                                   EngineState.FAILED, EngineState.DRAINING])
+async def test_not_ready_is_503_with_retry_after_in_the_openai_shape(state: EngineState) -> None:
+    async with upstream() as (_, url), appliance(FakeEngine(url, state=state)) as client:
+        for body in (CHAT, CHAT | {"stream": True}):
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "7"
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert state.value in error["message"]
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["state"] == state.value
+
+
+async def test_ready_health_is_200_and_livez_answers() -> None:
+    async with upstream() as (_, url), appliance(FakeEngine(url)) as client:
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/livez")).status_code == 200
+
+
+async def test_non_streaming_answer_is_passed_through_with_a_request_id() -> None:
+    async with upstream() as (_, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["content"] == "tok " * 4
+        assert len(response.headers["x-request-id"]) == 32
+
+
+async def test_stream_is_relayed_chunk_by_chunk_to_done() -> None:
+    async with upstream(tokens=5) as (_, url), appliance(FakeEngine(url)) as client:
+        async with client.stream("POST", "/v1/chat/completions",
+                                 json=CHAT | {"max_tokens": 5, "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = [line async for line in response.aiter_lines() if line]
+    assert len(lines) == 6 and lines[-1] == "data: [DONE]"
+
+
+async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
+    engine_url: str
+    async with upstream(tokens=500, delay=0.01) as (fake, engine_url):
+        engine = FakeEngine(engine_url)
+        async with appliance(engine) as client, client.stream(
+            "POST", "/v1/chat/completions", json=CHAT | {"max_tokens": 500, "stream": True}
+        ) as response:
+            lines: list[str] = []
+            async for line in response.aiter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    engine.lost().set()  # what the manager does when the worker is declared dead
+        assert lines[-1] == "data: [DONE]"
+        assert '"code": "engine_lost"' in lines[-2]
+        await _eventually(lambda: fake.running == 0)  # the upstream request was closed too
+        assert engine.requests == 0
+
+
+async def test_unreachable_worker_is_503_not_500() -> None:
+    engine = FakeEngine(f"http://127.0.0.1:{free_port()}")
+    async with appliance(engine) as client:
+        for body in (CHAT, CHAT | {"stream": True}):
+            response = await client.post("/v1/completions", json={"prompt": "x"} | body)
+            assert response.status_code == 503
+            assert "retry-after" in response.headers
+
+
+async def test_client_disconnect_closes_the_upstream_request() -> None:
+    async with upstream(tokens=200, delay=0.05) as (fake, url), appliance(FakeEngine(url)) as c:
+        request = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT | {"max_tokens": 200}))
+        await _eventually(lambda: fake.running == 1)
+        request.cancel()  # the client goes away mid-request, not streaming
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        await _eventually(lambda: fake.running == 0, timeout=0.5)
+
+
+async def test_streaming_client_disconnect_closes_the_upstream_request() -> None:
+    async with upstream(tokens=200, delay=0.05) as (fake, url), appliance(FakeEngine(url)) as c:
+        async with c.stream("POST", "/v1/chat/completions",
+                            json=CHAT | {"max_tokens": 200, "stream": True}) as response:
+            async for _ in response.aiter_lines():
+                break
+        await _eventually(lambda: fake.running == 0, timeout=0.5)
+
+
+async def test_oversized_body_is_413_in_the_openai_shape() -> None:
+    async with upstream() as (_, url), appliance(
+        FakeEngine(url), server={"max_body_bytes": 2048}
+    ) as client:
+        response = await client.post("/v1/chat/completions",
+                                     json={"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+async def _eventually(condition: object, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():  # type: ignore[operator]
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
