@@ -14,6 +14,7 @@ import psutil
 import structlog
 
 from appliance.settings import EngineSettings
+from supervisor.sdnotify import ENV_VARS
 
 log = structlog.get_logger("supervisor.worker")
 
@@ -60,6 +61,8 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
     # Nothing may download weights at run time; the worker reads local directories only.
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     env.pop("VIRTUAL_ENV", None)
+    for key in ENV_VARS:  # systemd's notify socket is the supervisor's alone
+        env.pop(key, None)
     if engine.resolved_device() == "cpu":
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.update(engine.env)

@@ -1,0 +1,444 @@
+"""NVML GPU monitor: Xid and lost-GPU verdicts, telemetry, and which PIDs hold GPU memory.
+
+Every NVML call goes through one injected module object (`pynvml`), so a fake drives the
+tests. Without NVML (no driver: a laptop, CI) the monitor is "unavailable" and answers empty.
+Threads: the manager runs `poll()` via `asyncio.to_thread` while the loop reads `verdict()`,
+`summary()` and `gauges()`; state crosses threads only as whole-object assignments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any, Literal
+
+import structlog
+
+from appliance.settings import GpuSettings
+
+log = structlog.get_logger(__name__)
+
+Action = Literal["none", "restart_worker", "fail"]
+Status = Literal["disabled", "unavailable", "ok", "unhealthy", "lost"]
+
+# As the NVIDIA k8s device plugin: these Xids mean the application faulted and the GPU is
+# still healthy, so restarting the worker is the cure. Any other critical Xid: GPU unhealthy.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+# fmt: off
+XID_NAMES = {
+    13: "graphics engine exception", 31: "GPU memory page fault", 43: "GPU stopped processing",
+    45: "preemptive cleanup after previous errors", 48: "double-bit ECC error",
+    63: "row remapping event", 64: "row remapping failure", 68: "video processor exception",
+    74: "NVLink error", 79: "GPU has fallen off the bus", 94: "contained ECC error",
+    95: "uncontained ECC error", 109: "context switch timeout", 119: "GSP RPC timeout",
+    120: "GSP error",
+}
+# fmt: on
+
+# Clock-event reason bits (NVML ABI, the same under the older "ClocksThrottleReason" names).
+_SLOWDOWN_NAMES = {
+    0x04: "sw_power_cap", 0x08: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+    0x80: "hw_power_brake",
+}  # fmt: skip
+_THERMAL_BITS = 0x20 | 0x40
+_POWER_BITS = 0x04 | 0x80
+
+# Query label → (NVML functions, the first one this NVML has wins; arguments after the handle).
+_QUERIES: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+    "memory": (("nvmlDeviceGetMemoryInfo",), ()),
+    "utilization": (("nvmlDeviceGetUtilizationRates",), ()),
+    "temperature": (("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"), (0,)),  # GPU die
+    "clock_event_reasons": (
+        ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+        (),
+    ),
+    "ecc": (("nvmlDeviceGetTotalEccErrors",), (1, 0)),  # uncorrected, volatile (since boot)
+    "retired_pages": (("nvmlDeviceGetRetiredPagesPendingStatus",), ()),
+    "row_remap": (("nvmlDeviceGetRemappedRows",), ()),  # (corrected, uncorrected, pending, failed)
+    "compute_processes": (("nvmlDeviceGetComputeRunningProcesses",), ()),
+    "graphics_processes": (("nvmlDeviceGetGraphicsRunningProcesses",), ()),
+}
+_MAX_EVENTS_PER_POLL = 64
+_LOST = "NVMLError_GpuIsLost"  # NVML_ERROR_GPU_IS_LOST, as pynvml names its class
+_ABSENT_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
+# Logged once, then that query is skipped: the GPU, the driver or our privileges lack it.
+_UNSUPPORTED_ERRORS = (
+    "NVMLError_NotSupported",
+    "NVMLError_FunctionNotFound",
+    "NVMLError_NoPermission",
+)
+
+
+def classify_xid(xid: int) -> Action:
+    """restart_worker for an application Xid, fail for any other critical Xid."""
+    return "restart_worker" if xid in APPLICATION_XIDS else "fail"
+
+
+def describe_xid(xid: int) -> str:
+    return f"xid {xid} ({XID_NAMES.get(xid, 'unknown')})"
+
+
+@dataclass(frozen=True)
+class GpuVerdict:
+    """What the engine manager should do about the GPU, and why."""
+
+    action: Action = "none"
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One poll. None: NVML does not support that query on this GPU (or it failed)."""
+
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    clock_event_reasons: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    retired_pages_pending: bool | None = None
+    row_remap_pending: bool | None = None
+    xids: tuple[int, ...] = ()
+    verdict: GpuVerdict = field(default_factory=GpuVerdict)
+
+    @property
+    def thermal_slowdown(self) -> bool:
+        return bool((self.clock_event_reasons or 0) & _THERMAL_BITS)
+
+    @property
+    def power_slowdown(self) -> bool:
+        return bool((self.clock_event_reasons or 0) & _POWER_BITS)
+
+    @property
+    def slowdown_reasons(self) -> tuple[str, ...]:
+        mask = self.clock_event_reasons or 0
+        return tuple(name for bit, name in _SLOWDOWN_NAMES.items() if mask & bit)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Conditions worth an operator's look that call for no action by the appliance."""
+        found = (
+            ("thermal_slowdown", self.thermal_slowdown),
+            ("retired_pages_pending", bool(self.retired_pages_pending)),
+            ("row_remap_pending", bool(self.row_remap_pending)),
+        )
+        return tuple(name for name, present in found if present)
+
+
+class _GpuLost(Exception):
+    """NVML answered NVML_ERROR_GPU_IS_LOST."""
+
+
+class GpuMonitor:
+    """Watches one GPU through NVML; see the module docstring for the threading contract."""
+
+    def __init__(self, settings: GpuSettings, nvml: ModuleType | None = None) -> None:
+        self._settings = settings
+        self._nvml: Any = nvml  # pynvml has no type hints: its attributes are Any anyway
+        self._status: Status = "unavailable" if settings.enabled else "disabled"
+        self._initialized = False
+        self._handle: Any = None
+        self._event_set: Any = None
+        self._name: str | None = None
+        self._uuid: str | None = None
+        self._last = GpuReading()
+        self._failure: GpuVerdict | None = None  # sticky: a lost or unhealthy GPU stays so
+        self._last_xid: int | None = None
+        self._xid_total = 0
+        self._unsupported: set[str] = set()
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def available(self) -> bool:
+        """NVML is open on the device: status ok, unhealthy or lost (until `close()`)."""
+        return self._initialized and self._status in ("ok", "unhealthy", "lost")
+
+    @property
+    def events_supported(self) -> bool:
+        return self._event_set is not None
+
+    def open(self) -> None:
+        """Initialise NVML, find the device, subscribe to Xid events; never raises."""
+        if not self._settings.enabled:
+            log.info("gpu.disabled")
+            return
+        if not self._init():
+            return
+        nvml = self._nvml
+        try:
+            self._handle = self._find_device()
+            self._name = _text(nvml.nvmlDeviceGetName(self._handle))
+            self._uuid = _text(nvml.nvmlDeviceGetUUID(self._handle))
+        except nvml.NVMLError as exc:
+            self._device_failed(exc)
+            return
+        self._status = "ok"
+        self._register_events()
+        log.info("gpu.opened", name=self._name, uuid=self._uuid, xid_events=self.events_supported)
+
+    def poll(self) -> GpuReading:
+        """Read telemetry and drain Xid events (non-blocking); the reading carries the verdict."""
+        if not self._can_query():
+            return self._last
+        try:
+            reading = self._read()
+        except _GpuLost as exc:
+            reading = GpuReading(verdict=self._mark_lost(exc, during="poll"))
+        else:
+            self._log_transitions(self._last, reading)
+        self._last = reading
+        return reading
+
+    def verdict(self) -> GpuVerdict:
+        """The verdict of the last poll; a lost or unhealthy GPU stays `fail`."""
+        return self._failure or self._last.verdict
+
+    def pids_using_memory(self) -> set[int]:
+        """PIDs of compute and graphics processes holding memory on this GPU (host PIDs)."""
+        if not self._can_query():
+            return set()
+        pids: set[int] = set()
+        try:
+            for label in ("compute_processes", "graphics_processes"):
+                pids.update(int(process.pid) for process in self._query(label) or ())
+        except _GpuLost as exc:
+            self._mark_lost(exc, during="pids_using_memory")
+            return set()
+        return pids
+
+    async def wait_released(
+        self,
+        pids: set[int],
+        timeout_s: float,
+        *,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = 0.25,
+    ) -> bool:
+        """Wait until none of `pids` holds GPU memory; False on timeout (logged)."""
+        deadline = clock() + timeout_s
+        while True:
+            holding = pids & self.pids_using_memory()
+            if not holding:
+                return True
+            remaining = deadline - clock()
+            if remaining <= 0:
+                log.warning("gpu.memory_not_released", pids=sorted(holding), timeout_s=timeout_s)
+                return False
+            await sleep(min(interval_s, remaining))
+
+    def summary(self) -> dict[str, Any]:
+        """The GPU part of /health's JSON."""
+        if self._status in ("disabled", "unavailable"):
+            return {"status": self._status}
+        reading = self._last
+        return {
+            "status": self._status,
+            "name": self._name,
+            "uuid": self._uuid,
+            **{key: value for key, value in asdict(reading).items() if key != "verdict"},
+            "thermal_slowdown": reading.thermal_slowdown,
+            "power_slowdown": reading.power_slowdown,
+            "slowdown_reasons": list(reading.slowdown_reasons),
+            "warnings": list(reading.warnings),
+            "xid_events": "subscribed" if self.events_supported else "unsupported",
+            "last_xid": self._last_xid,
+            "health": asdict(self.verdict()),
+        }
+
+    def gauges(self) -> dict[str, float]:
+        """Metric name → value for Prometheus; a query NVML cannot answer is left out."""
+        values: dict[str, float] = {"gpu_up": 1.0 if self._can_query() else 0.0}
+        if self._status in ("disabled", "unavailable"):
+            return values
+        reading = self._last
+        optional = {
+            "gpu_memory_used_bytes": reading.memory_used_bytes,
+            "gpu_memory_total_bytes": reading.memory_total_bytes,
+            "gpu_utilization_percent": reading.utilization_pct,
+            "gpu_temperature_celsius": reading.temperature_c,
+            "gpu_ecc_uncorrected_volatile_errors": reading.ecc_uncorrected_volatile,
+        }
+        values.update({key: float(value) for key, value in optional.items() if value is not None})
+        values["gpu_healthy"] = 1.0 if self.verdict().action == "none" else 0.0
+        values["gpu_thermal_slowdown"] = float(reading.thermal_slowdown)
+        values["gpu_power_slowdown"] = float(reading.power_slowdown)
+        values["gpu_xid_events_total"] = float(self._xid_total)
+        return values
+
+    def close(self) -> None:
+        """Free the event set and shut NVML down; errors are logged, never raised."""
+        if self._nvml is None:
+            return
+        if self._event_set is not None:
+            self._quietly("nvmlEventSetFree", self._event_set)
+            self._event_set = None
+        if self._initialized:
+            self._quietly("nvmlShutdown")
+            self._initialized = False
+        self._handle = None
+
+    def _init(self) -> bool:
+        try:
+            if self._nvml is None:
+                self._nvml = importlib.import_module("pynvml")
+        except ImportError as exc:
+            log.info("gpu.unavailable", reason="pynvml is not installed", error=str(exc))
+            return False
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as exc:
+            if self._is(exc, *_ABSENT_ERRORS):  # no NVIDIA driver here: normal, not an error
+                log.info("gpu.unavailable", reason=str(exc))
+            else:
+                log.warning("gpu.unavailable", reason="nvmlInit failed", error=str(exc))
+            return False
+        self._initialized = True
+        return True
+
+    def _find_device(self) -> Any:
+        device = self._settings.device.strip()
+        if device.isdigit():
+            return self._nvml.nvmlDeviceGetHandleByIndex(int(device))
+        return self._nvml.nvmlDeviceGetHandleByUUID(device)
+
+    def _device_failed(self, exc: BaseException) -> None:
+        if self._is(exc, _LOST):
+            self._mark_lost(exc, during="open")
+            return
+        log.error("gpu.device_not_found", device=self._settings.device, error=str(exc))
+        self._handle = None
+        self._quietly("nvmlShutdown")
+        self._initialized = False
+
+    def _register_events(self) -> None:
+        nvml, event_set = self._nvml, None
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+            mask = nvml.nvmlEventTypeXidCriticalError
+            nvml.nvmlDeviceRegisterEvents(self._handle, mask, event_set)
+        except nvml.NVMLError as exc:
+            log.info("gpu.xid_events_unsupported", error=str(exc), mode="poll_only")
+            if event_set is not None:
+                self._quietly("nvmlEventSetFree", event_set)
+            return
+        self._event_set = event_set
+
+    def _read(self) -> GpuReading:
+        labels = ("memory", "utilization", "temperature", "clock_event_reasons", "ecc")
+        memory, utilization, temperature, reasons, ecc = (self._query(q) for q in labels)
+        retired, remap = self._query("retired_pages"), self._query("row_remap")
+        xids = self._drain_xids()
+        return GpuReading(
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            utilization_pct=None if utilization is None else int(utilization.gpu),
+            temperature_c=None if temperature is None else int(temperature),
+            clock_event_reasons=None if reasons is None else int(reasons),
+            ecc_uncorrected_volatile=None if ecc is None else int(ecc),
+            retired_pages_pending=None if retired is None else bool(retired),
+            row_remap_pending=None if remap is None else bool(remap[2]),
+            xids=xids,
+            verdict=self._judge(xids),
+        )
+
+    def _query(self, label: str) -> Any:
+        """Ask NVML one of `_QUERIES`; None where the GPU or driver lacks it (logged once)."""
+        if label in self._unsupported:
+            return None
+        names, args = _QUERIES[label]
+        nvml = self._nvml
+        for function in (getattr(nvml, name) for name in names if hasattr(nvml, name)):
+            try:
+                return function(self._handle, *args)
+            except nvml.NVMLError as exc:
+                if self._is(exc, _LOST):
+                    raise _GpuLost(str(exc)) from exc
+                if not self._is(exc, *_UNSUPPORTED_ERRORS):
+                    log.warning("gpu.query_failed", query=label, error=str(exc))
+                    return None
+        self._unsupported.add(label)
+        log.info("gpu.query_unsupported", query=label)
+        return None
+
+    def _drain_xids(self) -> tuple[int, ...]:
+        if self._event_set is None:
+            return ()
+        nvml = self._nvml
+        xids: list[int] = []
+        for _ in range(_MAX_EVENTS_PER_POLL):
+            try:
+                data = nvml.nvmlEventSetWait(self._event_set, 0)
+            except nvml.NVMLError as exc:
+                if self._is(exc, _LOST):
+                    raise _GpuLost(str(exc)) from exc
+                if not self._is(exc, "NVMLError_Timeout"):  # Timeout: the queue is empty
+                    log.warning("gpu.event_wait_failed", error=str(exc))
+                break
+            if data.eventType == nvml.nvmlEventTypeXidCriticalError:
+                xids.append(int(data.eventData))
+        return tuple(xids)
+
+    def _judge(self, xids: tuple[int, ...]) -> GpuVerdict:
+        application: list[int] = []
+        for xid in xids:
+            action = classify_xid(xid)
+            self._last_xid = xid
+            self._xid_total += 1
+            log.error("gpu.xid", xid=xid, name=XID_NAMES.get(xid), action=action, uuid=self._uuid)
+            if action == "restart_worker":
+                application.append(xid)
+            elif self._failure is None:
+                self._failure = GpuVerdict("fail", describe_xid(xid) + ": GPU unhealthy")
+                self._status = "unhealthy"
+        if self._failure is not None:
+            return self._failure
+        if application:
+            return GpuVerdict("restart_worker", describe_xid(application[0]) + ": worker fault")
+        return GpuVerdict()
+
+    def _mark_lost(self, exc: BaseException, *, during: str) -> GpuVerdict:
+        if self._status != "lost":
+            log.error("gpu.lost", during=during, error=str(exc), uuid=self._uuid)
+        self._status = "lost"
+        self._failure = GpuVerdict("fail", "GPU lost (NVML_ERROR_GPU_IS_LOST)")
+        return self._failure
+
+    def _log_transitions(self, before: GpuReading, after: GpuReading) -> None:
+        if after.thermal_slowdown and not before.thermal_slowdown:
+            log.warning(
+                "gpu.thermal_slowdown",
+                temperature_c=after.temperature_c,
+                reasons=list(after.slowdown_reasons),
+            )
+        elif before.thermal_slowdown and not after.thermal_slowdown:
+            log.info("gpu.thermal_slowdown_cleared", temperature_c=after.temperature_c)
+        for name in set(after.warnings) - set(before.warnings) - {"thermal_slowdown"}:
+            log.warning("gpu.reset_pending", condition=name, uuid=self._uuid)
+
+    def _can_query(self) -> bool:
+        return self._status in ("ok", "unhealthy") and self._handle is not None
+
+    def _is(self, exc: BaseException, *class_names: str) -> bool:
+        classes = tuple(getattr(self._nvml, name, None) for name in class_names)
+        return any(isinstance(exc, cls) for cls in classes if isinstance(cls, type))
+
+    def _quietly(self, name: str, *args: Any) -> None:
+        nvml = self._nvml
+        try:
+            getattr(nvml, name)(*args)
+        except nvml.NVMLError as exc:
+            log.warning("gpu.cleanup_failed", call=name, error=str(exc))
+
+
+def _text(value: str | bytes) -> str:
+    # nvidia-ml-py returns str; releases before 11.5 returned bytes.
+    return value.decode() if isinstance(value, bytes) else str(value)
