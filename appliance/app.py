@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 from litestar import Litestar, Request, Response, get, post
+from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 from litestar.types import ASGIApp, Receive, Scope, Send
@@ -178,7 +179,7 @@ def _request_context(app: ASGIApp) -> ASGIApp:
     """Bind the request id into every log line of the request (structlog contextvars)."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await app(scope, receive, send)
             return
         request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
@@ -199,4 +200,4 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 def _set_header(scope: Scope, name: bytes, value: str) -> None:
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != name]
-    scope["headers"] = [*headers, (name, value.encode("latin-1"))]  # type: ignore[typeddict-unknown-key]
+    scope["headers"] = [*headers, (name, value.encode("latin-1"))]

@@ -24,7 +24,7 @@ class Backoff:
         self._attempt = 0
 
     def next_delay(self) -> float:
-        base = min(self._max, self._initial * (2**self._attempt))
+        base = min(self._max, self._initial * 2.0**self._attempt)
         self._attempt += 1
         spread = base * self._jitter * (2 * self._rand() - 1)
         return max(0.0, base + spread)

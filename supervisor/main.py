@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from appliance.settings import ConfigError, load_settings, masked_dump
+from appliance.settings import ConfigError, Settings, load_settings, masked_dump
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config must not restart-loop
 
@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler(args)
 
 
-def _settings_or_exit():  # type: ignore[no-untyped-def]
+def _settings_or_exit() -> Settings:
     try:
         return load_settings()
     except ConfigError as exc:

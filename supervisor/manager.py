@@ -107,6 +107,7 @@ class EngineManager:
         self._in_flight = 0
         self._last_progress = clock()
         self._retry_at: float | None = None
+        self.last_tick = clock()  # the loop's heartbeat, for the systemd watchdog
         self.listeners: list[Transition] = []
         self.restart_listeners: list[Callable[[str], None]] = []
 
@@ -173,6 +174,13 @@ class EngineManager:
     def startup_timeout_s(self) -> float:
         return self._sup.startup_timeout_s
 
+    def loop_is_turning(self) -> bool:
+        """False once the manager has gone longer without a pass than any one step may take."""
+        sup = self._sup
+        longest_step = (2 * sup.health_timeout_s + sup.canary_timeout_s + sup.stop_grace_s
+                        + sup.gpu_release_timeout_s + 30)
+        return self._clock() - self.last_tick < max(longest_step, sup.health_interval_s * 3)
+
     @property
     def last_exit(self) -> ExitCause | None:
         return self._last_exit
@@ -181,6 +189,10 @@ class EngineManager:
         """Stop admitting: health and new requests answer 503 while in-flight ones finish."""
         if self._state in (EngineState.READY, EngineState.UNHEALTHY):
             self._set_state(EngineState.DRAINING, "shutdown requested")
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
     def request_stop(self) -> None:
         self._stop_requested = True
@@ -197,7 +209,7 @@ class EngineManager:
             if cause.reason == "gpu_fatal":
                 await self._hold_failed(None)
                 continue
-            if self._stop_requested:
+            if self.stop_requested:
                 break
             self._restarts += 1
             for listener in self.restart_listeners:
@@ -270,7 +282,8 @@ class EngineManager:
         last_canary = self._clock()
         while True:
             if worker.returncode is not None:
-                return ExitCause("running", "exited", f"crashed after ready: {describe_exit(worker.returncode)}")
+                detail = f"crashed after ready: {describe_exit(worker.returncode)}"
+                return ExitCause("running", "exited", detail)
             if self._stop_requested:
                 return ExitCause("running", "stopped", "stop requested")
             verdict = await self._gpu_verdict()
@@ -348,6 +361,7 @@ class EngineManager:
 
     async def _nap(self, delay: float) -> None:
         """Sleep `delay`, or less if the worker exits or a stop is requested."""
+        self.last_tick = self._clock()
         self._wake.clear()
         sleeper = asyncio.ensure_future(self._sleep(delay))
         waker = asyncio.ensure_future(self._wake.wait())

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 
 import structlog
 import uvicorn
@@ -85,13 +85,17 @@ async def serve(settings: Settings) -> int:
 
     # 3. The worker, and the watchdog ping that proves this loop still turns.
     manager_task = asyncio.create_task(manager.run())
-    watchdog = asyncio.create_task(_watchdog(notifier, manager_task, server_task))
+    watchdog = asyncio.create_task(_watchdog(notifier, manager, manager_task, server_task))
 
     # 4. Run until a signal, or until the API or the manager ends on its own.
     await _first(signals.first.wait(), manager_task, server_task)
     failed = server_task.done() or manager_task.done()
     log.info("supervisor.stopping", cause="internal failure" if failed else "signal")
     notifier.stopping()
+    # READY=1 went out when the API listened, so model loads need no extension; a drain
+    # configured longer than the unit's TimeoutStopSec does.
+    sup = settings.supervisor
+    notifier.extend_timeout(sup.drain_timeout_s + sup.stop_grace_s + 30)
 
     # 5. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
     manager.begin_drain()
@@ -128,9 +132,8 @@ async def _wait_listening(server: _Server, task: asyncio.Task[None]) -> bool:
     return True
 
 
-async def _first(*awaitables: object) -> None:
-    tasks = [a if isinstance(a, asyncio.Future) else asyncio.ensure_future(a)  # type: ignore[arg-type]
-             for a in awaitables]
+async def _first(*awaitables: Awaitable[object]) -> None:
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for task, original in zip(tasks, awaitables, strict=True):
         if task is not original:
@@ -139,24 +142,27 @@ async def _first(*awaitables: object) -> None:
 
 async def _drain(manager: EngineManager, timeout_s: float, forced: asyncio.Event) -> None:
     deadline = time.monotonic() + timeout_s
-    while manager.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():
+    # Polled: the in-flight count has no event of its own, and 0.1 s is nothing next to a drain.
+    while manager.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     log.info("supervisor.drained", left=manager.in_flight, forced=forced.is_set())
 
 
-async def _watchdog(notifier: Notifier, *tasks: asyncio.Task[None]) -> None:
-    """WATCHDOG=1 only while the manager and the API both run: a frozen loop sends nothing."""
+async def _watchdog(notifier: Notifier, manager: EngineManager,
+                    *tasks: asyncio.Task[None]) -> None:
+    """WATCHDOG=1 only while the API runs and the manager's loop still turns; a frozen event
+    loop sends nothing at all, so systemd restarts the service either way."""
     interval = notifier.watchdog_interval_s()
     if interval is None:
         return
     while all(not task.done() for task in tasks):
-        notifier.watchdog()
+        if manager.loop_is_turning():
+            notifier.watchdog()
+        else:
+            log.error("supervisor.manager_stuck", since_s=round(time.monotonic() - manager.last_tick))
         await asyncio.sleep(interval)
 
 
 def _report_state(notifier: Notifier, manager: EngineManager, state: EngineState,
                   cause: str) -> None:
     notifier.status(f"engine {state.value} ({cause}); restarts {manager.restarts}")
-    if state is EngineState.STARTING:
-        # A model load can take minutes on a big GPU model; keep systemd from timing out.
-        notifier.extend_timeout(manager.startup_timeout_s)

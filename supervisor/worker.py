@@ -142,7 +142,7 @@ class ProcessLauncher:
         self._engine = engine
 
     async def start(self) -> WorkerProcess:
-        if self._engine.command is None and not Path(self._engine.python).exists():
+        if self._engine.command is None and not Path(self._engine.python).exists():  # noqa: ASYNC240
             raise FileNotFoundError(
                 f"engine interpreter {self._engine.python} not found: run install.sh "
                 "or set engine.python"

@@ -82,7 +82,8 @@ def require_engine() -> None:
 
 
 @contextlib.contextmanager
-def running_appliance(tmp_path: Path, **settings: str) -> Iterator[Appliance]:
+def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
+                      **settings: str) -> Iterator[Appliance]:
     require_engine()
     port, engine_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
@@ -95,6 +96,7 @@ def running_appliance(tmp_path: Path, **settings: str) -> Iterator[Appliance]:
         "CHAT_APPLIANCE_SUPERVISOR__BACKOFF_INITIAL_S": "0.5",
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
+    env |= env_extra or {}
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],

@@ -57,9 +57,9 @@ async def test_non_streaming_answer_is_passed_through_with_a_request_id() -> Non
 
 
 async def test_stream_is_relayed_chunk_by_chunk_to_done() -> None:
-    async with upstream(tokens=5) as (_, url), appliance(FakeEngine(url)) as client:
-        async with client.stream("POST", "/v1/chat/completions",
-                                 json=CHAT | {"max_tokens": 5, "stream": True}) as response:
+    body = CHAT | {"max_tokens": 5, "stream": True}
+    async with upstream(tokens=5) as (_, url), appliance(FakeEngine(url)) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = [line async for line in response.aiter_lines() if line]
     assert len(lines) == 6 and lines[-1] == "data: [DONE]"

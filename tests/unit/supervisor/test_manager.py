@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,7 +189,7 @@ async def test_backoff_doubles_between_restarts_and_is_capped() -> None:
     await until(lambda: len(starts) >= 7)
     manager.request_stop()
     await task
-    gaps = [round(b - a - 1.0, 3) for a, b in zip(starts, starts[1:], strict=False)]
+    gaps = [round(b - a - 1.0, 3) for a, b in itertools.pairwise(starts)]
     assert gaps[:6] == [1, 2, 4, 8, 8, 8]  # each gap: 1 s of failed boot + the backoff delay
 
 

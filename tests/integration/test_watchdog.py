@@ -1,0 +1,119 @@
+"""Watchdog depth against the real worker: a hung engine core, a graceful drain, sd_notify."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.integration.harness import Appliance, running_appliance, worker_tree
+
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def stream_lines(appliance: Appliance, max_tokens: int, lines: list[str],
+                 started: threading.Event) -> None:
+    body = {"messages": STORY, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
+                      timeout=180) as response:
+        lines.append(f"status {response.status_code}")
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+
+
+def start_stream(appliance: Appliance, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    lines: list[str] = []
+    started = threading.Event()
+    thread = threading.Thread(target=stream_lines, args=(appliance, max_tokens, lines, started))
+    thread.start()
+    assert started.wait(60), f"the stream never started: {lines}"
+    return thread, lines
+
+
+def engine_core(worker_pid: int) -> psutil.Process:
+    """vLLM's EngineCore: the child of the API server that runs the model."""
+    children = psutil.Process(worker_pid).children(recursive=True)
+    cores = [p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert cores, f"no EngineCore among {[(p.pid, p.name()) for p in children]}"
+    return cores[0]
+
+
+def test_sigstopped_engine_core_is_declared_hung_and_restarted(tmp_path: Path) -> None:
+    """/health stays 200 while EngineCore is stopped: only the stall watch and canary see it."""
+    stall, canary, grace = 5.0, 5.0, 5.0
+    with running_appliance(
+        tmp_path,
+        engine__env='{"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}',
+        supervisor__stall_timeout_s=str(stall), supervisor__canary_timeout_s=str(canary),
+        supervisor__stop_grace_s=str(grace), supervisor__health_interval_s="1",
+        supervisor__health_timeout_s="30",
+    ) as appliance:
+        old = int(appliance.wait_ready()["pid"])
+        thread, lines = start_stream(appliance, max_tokens=1500)
+        core = engine_core(old)
+        core.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        thread.join(stall + canary + grace + 30)
+        assert not thread.is_alive(), "the in-flight stream got no terminal answer"
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+        detail = appliance.wait_ready()
+        recovered_s = time.monotonic() - stopped_at
+        assert detail["last_exit"]["reason"] == "hung"  # type: ignore[index]
+        assert detail["pid"] != old
+        assert not psutil.pid_exists(core.pid) or core.status() == psutil.STATUS_ZOMBIE
+        assert not worker_tree(old)
+        print(f"hang detected and recovered in {recovered_s:.1f} s")
+
+
+def test_sigterm_drains_a_stream_then_exits_0_and_notifies_systemd(tmp_path: Path) -> None:
+    notify_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    sock.settimeout(0.2)
+    messages: list[str] = []
+    env = {"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000"}
+    with running_appliance(tmp_path, env_extra=env,
+                           supervisor__drain_timeout_s="120") as appliance:
+        pid = int(appliance.wait_ready()["pid"])
+        thread, lines = start_stream(appliance, max_tokens=48)
+        appliance.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert appliance.health().status_code == 503  # readiness drops at once
+        refused = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=10,
+                             json={"messages": STORY, "max_tokens": 4})
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        thread.join(120)
+        assert lines[0] == "status 200" and lines[-1] == "data: [DONE]"
+        assert not any('"error"' in line for line in lines), "the stream finished cleanly"
+        assert appliance.proc.wait(60) == 0
+        assert not worker_tree(pid)
+    while True:
+        try:
+            messages.append(sock.recv(4096).decode())
+        except TimeoutError:
+            break
+    sent = "\n".join(messages)
+    for expected in ("READY=1", "STATUS=", "WATCHDOG=1", "STOPPING=1"):
+        assert expected in sent, f"{expected} not among {messages}"
+    assert sent.index("READY=1") < sent.index("STOPPING=1")
+
+
+def test_second_signal_forces_the_stop(tmp_path: Path) -> None:
+    with running_appliance(tmp_path, supervisor__drain_timeout_s="300") as appliance:
+        pid = int(appliance.wait_ready()["pid"])
+        thread, _ = start_stream(appliance, max_tokens=1500)
+        appliance.proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        appliance.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert appliance.proc.wait(60) == 0
+        assert time.monotonic() - started < 60
+        thread.join(30)
+        assert not worker_tree(pid)
