@@ -148,7 +148,7 @@ class Gate:
         self._metrics.clamps.inc()
         log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
                  applied=clamp.applied, prompt_tokens=count, max_model_len=window)
-        return {"X-Max-Tokens-Clamped": policy.header_value(clamp)}
+        return {policy.CLAMP_HEADER: policy.header_value(clamp)}
 
     async def _count_prompt(self, body: dict[str, Any], kind: str) -> tuple[int, int]:
         """Longest prompt and the window, counted by the worker's /tokenize (same template)."""

@@ -63,7 +63,8 @@ async def serve(settings: Settings) -> int:
     engine = settings.engine
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, settings.supervisor.health_timeout_s)
-    manager = EngineManager(settings, ProcessLauncher(engine), prober, gpu=gpu)
+    launcher = ProcessLauncher(engine, settings.policy.allowed_media_hosts)
+    manager = EngineManager(settings, launcher, prober, gpu=gpu)
     metrics = Metrics(manager)
     manager.listeners.append(metrics.observe_transition)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))

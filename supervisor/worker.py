@@ -20,9 +20,10 @@ log = structlog.get_logger("supervisor.worker")
 
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+NO_MEDIA_HOST = "none.invalid"
 
 
-def build_command(engine: EngineSettings) -> list[str]:
+def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) -> list[str]:
     """`python -m <vllm server>` with the settings turned into flags; the worker binds loopback."""
     cpu = engine.resolved_device() == "cpu"
     args = [
@@ -53,13 +54,17 @@ def build_command(engine: EngineSettings) -> list[str]:
         args += ["--reasoning-parser", engine.reasoning_parser]
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
+    # Defence in depth behind the gate's SSRF check: vLLM itself fetches only from these hosts
+    # (a reserved, never-resolving name when none is allowed) and follows no redirect.
+    args += ["--allowed-media-domains", *(media_hosts or [NO_MEDIA_HOST])]
     return args + list(engine.extra_args)
 
 
 def build_env(engine: EngineSettings) -> dict[str, str]:
     env = dict(os.environ)
     # Nothing may download weights at run time; the worker reads local directories only.
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"})
     env.pop("VIRTUAL_ENV", None)
     for key in ENV_VARS:  # systemd's notify socket is the supervisor's alone
         env.pop(key, None)
@@ -138,8 +143,9 @@ class WorkerProcess:
 class ProcessLauncher:
     """Starts real vLLM workers from the engine settings."""
 
-    def __init__(self, engine: EngineSettings) -> None:
+    def __init__(self, engine: EngineSettings, media_hosts: list[str] | None = None) -> None:
         self._engine = engine
+        self._media_hosts = media_hosts
 
     async def start(self) -> WorkerProcess:
         if self._engine.command is None and not Path(self._engine.python).exists():  # noqa: ASYNC240
@@ -147,7 +153,7 @@ class ProcessLauncher:
                 f"engine interpreter {self._engine.python} not found: run install.sh "
                 "or set engine.python"
             )
-        command = self._engine.command or build_command(self._engine)
+        command = self._engine.command or build_command(self._engine, self._media_hosts)
         proc = await asyncio.create_subprocess_exec(
             *command,
             stdin=asyncio.subprocess.DEVNULL,

@@ -1,0 +1,280 @@
+"""Parse a request body and check the shape of the fields the appliance knows about."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from appliance.errors import BadRequest
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+# OpenAI lets these roles carry "content": null (an assistant turn made only of tool calls).
+NULLABLE_CONTENT_ROLES = frozenset({"assistant", "function"})
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+Check = Callable[[Any, str], None]
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or BadRequest (code invalid_json) saying what is wrong."""
+    if not raw.strip():
+        raise _invalid_json("The request body is empty; expected a JSON object.")
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise _invalid_json("The request body is nested too deeply to parse.") from exc
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise _invalid_json(f"The request body is not valid JSON: {exc.msg} at {where}.") from exc
+    except UnicodeDecodeError as exc:
+        raise _invalid_json("The request body is not valid JSON: it is not UTF-8 text.") from exc
+    except ValueError as exc:  # NaN / Infinity (refused below) and integers too long to convert
+        raise _invalid_json(
+            "The request body is not valid JSON: it holds a number JSON cannot carry "
+            "(NaN, Infinity, or thousands of digits)."
+        ) from exc
+    if not isinstance(value, dict):
+        raise _invalid_json(f"The request body must be a JSON object, not {_kind(value)}.")
+    return value
+
+
+def validate_chat(body: Mapping[str, Any]) -> None:
+    """Shape checks for POST /v1/chat/completions; unknown fields are left alone."""
+    _check_common(body)
+    _check_messages(body)
+    _optional(body, "max_completion_tokens", check_count)
+    _optional(body, "logprobs", _check_bool)
+    _optional(body, "top_logprobs", _check_logprob_count)
+    _optional(body, "tools", _check_tools)
+    _optional(body, "tool_choice", _check_tool_choice)
+    _optional(body, "chat_template_kwargs", _check_object)
+
+
+def validate_completion(body: Mapping[str, Any]) -> None:
+    """Shape checks for POST /v1/completions; unknown fields are left alone."""
+    _check_common(body)
+    _check_prompt(body)
+    _optional(body, "logprobs", _check_logprob_count)
+    _optional(body, "echo", _check_bool)
+
+
+def check_count(value: Any, param: str) -> None:
+    """An integer >= 1 (n, best_of, max_tokens, ...); a JSON true is not an integer."""
+    if not _is_int(value):
+        _bad(f"'{param}' must be an integer, got {_show(value)}.", param, "invalid_type")
+    if value < 1:
+        _bad(f"'{param}' must be at least 1, got {value}.", param, "invalid_value")
+
+
+def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
+    """The checked truncate_prompt_tokens: None, -1 (the whole window) or an integer >= 1."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None:
+        return None
+    param = "truncate_prompt_tokens"
+    if not _is_int(value):
+        _bad(f"'{param}' must be an integer, got {_show(value)}.", param, "invalid_type")
+    if value < 1 and value != -1:
+        _bad(f"'{param}' must be -1 or at least 1, got {value}.", param, "invalid_value")
+    return int(value)
+
+
+def _check_common(body: Mapping[str, Any]) -> None:
+    _optional(body, "model", _check_str)
+    _optional(body, "stream", _check_bool)
+    _optional(body, "n", check_count)
+    _optional(body, "best_of", check_count)
+    _optional(body, "max_tokens", check_count)
+    _optional(body, "temperature", _check_temperature)
+    _optional(body, "top_p", _check_top_p)
+    truncate_prompt_tokens(body)
+
+
+def _check_messages(body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        _bad("'messages' must be a non-empty array of message objects.", "messages", "invalid_type")
+    for index, message in enumerate(messages):
+        _check_message(message, f"messages[{index}]")
+
+
+def _check_message(message: Any, param: str) -> None:
+    if not isinstance(message, dict):
+        _bad(f"'{param}' must be an object, got {_show(message)}.", param, "invalid_type")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        allowed = ", ".join(sorted(CHAT_ROLES))
+        _bad(
+            f"'{param}.role' must be one of {allowed}; got {_show(role)}.",
+            f"{param}.role",
+            "invalid_value",
+        )
+    content = message.get("content")
+    if content is None:
+        if role not in NULLABLE_CONTENT_ROLES:
+            _bad(
+                f"'{param}.content' is required for role '{role}'.",
+                f"{param}.content",
+                "invalid_type",
+            )
+        return
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        _bad(
+            f"'{param}.content' must be a string or an array of content parts, got "
+            f"{_show(content)}.",
+            f"{param}.content",
+            "invalid_type",
+        )
+    for index, part in enumerate(content):
+        _check_part(part, f"{param}.content[{index}]")
+
+
+def _check_part(part: Any, param: str) -> None:
+    # vLLM takes a bare string as a text part; anything else needs a string "type".
+    if isinstance(part, str):
+        return
+    if not isinstance(part, dict):
+        _bad(f"'{param}' must be a content part object, got {_show(part)}.", param, "invalid_type")
+    if not isinstance(part.get("type"), str):
+        _bad(
+            f"'{param}.type' must be a string naming the part type.",
+            f"{param}.type",
+            "invalid_type",
+        )
+
+
+def _check_prompt(body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        if body.get("prompt_embeds") is not None:
+            return
+        _bad("'prompt' is required.", "prompt", "invalid_type")
+    if isinstance(prompt, str) or _is_prompt_list(prompt):
+        return
+    _bad(
+        "'prompt' must be a string, an array of strings, an array of token ids, or an array "
+        "of arrays of token ids.",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(item, str) for item in prompt):
+        return True
+    if all(_is_token(item) for item in prompt):
+        return True
+    return all(
+        isinstance(item, list) and item and all(_is_token(token) for token in item)
+        for item in prompt
+    )
+
+
+def _check_tools(value: Any, param: str) -> None:
+    if not isinstance(value, list):
+        _bad(f"'{param}' must be an array of tool objects.", param, "invalid_type")
+    for index, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            _bad(f"'{param}[{index}]' must be a tool object.", f"{param}[{index}]", "invalid_type")
+
+
+def _check_tool_choice(value: Any, param: str) -> None:
+    if isinstance(value, dict) or (isinstance(value, str) and value in TOOL_CHOICES):
+        return
+    _bad(
+        f"'{param}' must be 'none', 'auto', 'required' or a named tool object; got {_show(value)}.",
+        param,
+        "invalid_value",
+    )
+
+
+def _check_logprob_count(value: Any, param: str) -> None:
+    # -1 asks vLLM for the whole vocabulary; 0 is a valid count here.
+    if not _is_int(value):
+        _bad(f"'{param}' must be an integer, got {_show(value)}.", param, "invalid_type")
+    if value < 0 and value != -1:
+        _bad(f"'{param}' must be -1 or at least 0, got {value}.", param, "invalid_value")
+
+
+def _check_temperature(value: Any, param: str) -> None:
+    # The engine's range, not OpenAI's 0..2: the appliance is not stricter than vLLM.
+    number = _number(value, param)
+    if number < 0:
+        _bad(f"'{param}' must be at least 0, got {value}.", param, "invalid_value")
+
+
+def _check_top_p(value: Any, param: str) -> None:
+    number = _number(value, param)
+    if not 0 < number <= 1:
+        _bad(f"'{param}' must be in (0, 1], got {value}.", param, "invalid_value")
+
+
+def _check_bool(value: Any, param: str) -> None:
+    if not isinstance(value, bool):
+        _bad(f"'{param}' must be a boolean, got {_show(value)}.", param, "invalid_type")
+
+
+def _check_str(value: Any, param: str) -> None:
+    if not isinstance(value, str):
+        _bad(f"'{param}' must be a string, got {_show(value)}.", param, "invalid_type")
+
+
+def _check_object(value: Any, param: str) -> None:
+    if not isinstance(value, dict):
+        _bad(f"'{param}' must be an object, got {_show(value)}.", param, "invalid_type")
+
+
+def _optional(body: Mapping[str, Any], key: str, check: Check) -> None:
+    """Check `key` when present; JSON null counts as absent, as it does for OpenAI."""
+    value = body.get(key)
+    if value is not None:
+        check(value, key)
+
+
+def _number(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        _bad(f"'{param}' must be a number, got {_show(value)}.", param, "invalid_type")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")  # Python's json would accept it
+
+
+def _invalid_json(message: str) -> BadRequest:
+    return BadRequest(message, code="invalid_json")
+
+
+def _bad(message: str, param: str, code: str) -> NoReturn:
+    raise BadRequest(message, param=param, code=code)
+
+
+def _kind(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a client value for a message; never the whole payload."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
