@@ -123,10 +123,26 @@ def create_app(
             await proxy.aclose()
             await gate.aclose()
 
+    def api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[dict[str, Any]]:
+        metrics.rejections.labels(reason=exc.reason).inc()
+        log.info("request.rejected", status=exc.status, code=exc.code, param=exc.param,
+                 reason=exc.reason)
+        return Response(content=exc.body(), status_code=exc.status, headers=exc.headers())
+
+    def http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+        """Litestar's own refusals (413, 404, 405) in the OpenAI shape too."""
+        reason = {413: "body_too_large", 404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "bad_input")
+        metrics.rejections.labels(reason=reason).inc()
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        detail = exc.detail if exc.status_code != 413 else "request body too large"
+        return Response(content=error_body(detail, type_, None, reason),
+                        status_code=exc.status_code, headers=exc.headers or {})
+
     return Litestar(
         route_handlers=[chat_completions, completions, models, health, livez, metrics_route],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
-        middleware=[_request_context],
+        exception_handlers={ApiError: api_error, HTTPException: http_error},
+        middleware=[_request_context, metrics.middleware],
         lifespan=[lifespan],
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,
@@ -159,20 +175,6 @@ async def _track_disconnect(chunks: AsyncIterator[bytes], metrics: Metrics) -> A
             metrics.disconnects.labels(stream="true").inc()
             log.info("request.client_disconnected", stream=True)
         await chunks.aclose()  # type: ignore[attr-defined]
-
-
-def _api_error(request: Request[Any, Any, Any], exc: ApiError) -> Response[dict[str, Any]]:
-    log.info("request.rejected", status=exc.status, code=exc.code, param=exc.param,
-             reason=exc.reason)
-    return Response(content=exc.body(), status_code=exc.status, headers=exc.headers())
-
-
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
-    """Litestar's own refusals (413, 404, 405) in the OpenAI shape too."""
-    type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    detail = exc.detail if exc.status_code != 413 else "request body too large"
-    return Response(content=error_body(detail, type_, None, None), status_code=exc.status_code,
-                    headers=exc.headers or {})
 
 
 def _request_context(app: ASGIApp) -> ASGIApp:

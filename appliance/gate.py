@@ -13,7 +13,7 @@ from litestar import Request
 
 from appliance import policy
 from appliance.engine import EngineView
-from appliance.errors import ApiError, BadRequest, TooManyRequests
+from appliance.errors import BadRequest, TooManyRequests
 from appliance.metrics import Metrics
 from appliance.proxy import Proxy
 from appliance.settings import Settings
@@ -62,7 +62,7 @@ class Gate:
         await self._tokenizer.aclose()
 
     def authenticate(self, request: Request[Any, Any, Any]) -> None:
-        self._count(policy.check_bearer, request.headers.get("authorization"), self._keys)
+        policy.check_bearer(request.headers.get("authorization"), self._keys)
 
     def authenticate_ops(self, request: Request[Any, Any, Any]) -> None:
         if self._settings.server.protect_ops_routes:
@@ -71,7 +71,7 @@ class Gate:
     async def admit(self, request: Request[Any, Any, Any], kind: str) -> Admitted:
         """Run every rule; raise an ApiError for the first that refuses, else hold a slot."""
         self.authenticate(request)
-        self._count(self._proxy.ensure_ready)
+        self._proxy.ensure_ready()
         self._take_slot()
         try:
             return await self._vet(request, kind)
@@ -86,27 +86,25 @@ class Gate:
     def _take_slot(self) -> None:
         # Decided before any tokenizing or image work: admission must stay cheap under overload.
         if self._in_flight >= self._settings.policy.max_inflight:
-            self._count_raise(TooManyRequests(
+            raise TooManyRequests(
                 f"more than {self._settings.policy.max_inflight} requests in flight; retry shortly",
-                code="too_many_requests", retry_after_s=1, reason="admission"))
+                code="too_many_requests", retry_after_s=1, reason="admission")
         self._in_flight += 1
         self._metrics.in_flight.set(self._in_flight)
 
     async def _vet(self, request: Request[Any, Any, Any], kind: str) -> Admitted:
         rules = self._settings.policy
-        body = self._count(policy.parse_json, await request.body())
+        body = policy.parse_json(await request.body())
         if kind == "chat":
-            self._count(policy.validate_chat, body)
+            policy.validate_chat(body)
         else:
-            self._count(policy.validate_completion, body)
-        self._count(policy.check_n, body, rules.max_n)
+            policy.validate_completion(body)
+        policy.check_n(body, rules.max_n)
         if kind == "chat":
             await self._check_media(body)
-            self._count(policy.check_tools, body,
-                        tool_parser=self._settings.engine.tool_call_parser)
-            self._count(policy.apply_thinking, body,
-                        default_kwargs=rules.default_chat_template_kwargs,
-                        disable_with_tools=rules.disable_thinking_with_tools)
+            policy.check_tools(body, tool_parser=self._settings.engine.tool_call_parser)
+            policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
+                                  disable_with_tools=rules.disable_thinking_with_tools)
         headers = await self._clamp(body, kind)
         return Admitted(json.dumps(body).encode(), body.get("stream") is True, headers, self)
 
@@ -115,9 +113,9 @@ class Gate:
         if not parts:
             return
         rules = self._settings.policy
-        self._count(policy.check_media, parts, multimodal=await self._is_multimodal(),
-                    max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
-                    allowed_hosts=rules.allowed_media_hosts)
+        policy.check_media(parts, multimodal=await self._is_multimodal(),
+                           max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
+                           allowed_hosts=rules.allowed_media_hosts)
 
     async def _is_multimodal(self) -> bool:
         """From settings, else asked of the worker once: does its model take images?"""
@@ -140,9 +138,8 @@ class Gate:
 
     async def _clamp(self, body: dict[str, Any], kind: str) -> dict[str, str]:
         count, window = await self._count_prompt(body, kind)
-        clamp = self._count(policy.clamp_max_tokens, body, prompt_tokens=count,
-                            max_model_len=window,
-                            default_max_tokens=self._settings.policy.default_max_tokens)
+        clamp = policy.clamp_max_tokens(body, prompt_tokens=count, max_model_len=window,
+                                        default_max_tokens=self._settings.policy.default_max_tokens)
         if clamp is None:
             return {}
         self._metrics.clamps.inc()
@@ -170,20 +167,12 @@ class Gate:
             response = await self._tokenizer.post("/tokenize", json=payload)
         except httpx.HTTPError as exc:
             raise self._proxy.unavailable(exc) from exc
-        data = response.json()
-        if response.status_code != 200:
-            message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            self._count_raise(BadRequest(message or "the prompt could not be tokenized",
-                                         param="messages" if kind == "chat" else "prompt",
-                                         code="invalid_prompt"))
-        return int(data["count"]), int(data["max_model_len"])
-
-    def _count(self, rule: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return rule(*args, **kwargs)
-        except ApiError as exc:
-            self._count_raise(exc)
-
-    def _count_raise(self, exc: ApiError) -> Any:
-        self._metrics.rejections.labels(reason=exc.reason).inc()
-        raise exc
+            data = response.json()
+        except ValueError:
+            data = None
+        if response.status_code != 200 or not isinstance(data, dict):
+            message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+            raise BadRequest(message or "the prompt could not be tokenized",
+                             param="messages" if kind == "chat" else "prompt", code="invalid_prompt")
+        return int(data["count"]), int(data["max_model_len"])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import structlog
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -26,6 +29,8 @@ _ENGINE_GAUGES = {
     "vllm:kv_cache_usage_perc": "appliance_engine_kv_cache_usage_ratio",
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                     "/livez", "/metrics"})
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -66,6 +71,37 @@ class Metrics:
         }
         self.gpu = Gauge("appliance_gpu", "GPU readings from NVML.", ["reading"], registry=r)
         self._client: httpx.AsyncClient | None = None
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """Counts every answer by route and status, times it to the last byte, and times a
+        stream's first chunk (time to first token), without touching the bytes."""
+
+        async def measured(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != ScopeType.HTTP:
+                await app(scope, receive, send)
+                return
+            route = scope["path"] if scope["path"] in _ROUTES else "other"
+            started = time.perf_counter()
+            status = 500
+            first_body = True
+
+            async def send_measured(message: Message) -> None:
+                nonlocal status, first_body
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                elif message["type"] == "http.response.body":
+                    if first_body and message.get("more_body") and status == 200:
+                        self.ttft.labels(route=route).observe(time.perf_counter() - started)
+                    first_body = False
+                await send(message)
+
+            try:
+                await app(scope, receive, send_measured)
+            finally:
+                self.requests.labels(route=route, status=str(status)).inc()
+                self.duration.labels(route=route).observe(time.perf_counter() - started)
+
+        return measured
 
     def observe_transition(self, old: EngineState, new: EngineState, cause: str) -> None:
         self.transitions.labels(to=new.value).inc()

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.integration.harness import Appliance, running_appliance, worker_tree
+from tests.metrics_text import samples, value
 
 
 def client(appliance: Appliance) -> openai.OpenAI:
@@ -137,3 +138,31 @@ def test_bad_config_exits_2(tmp_path: Path, setting: dict[str, str]) -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "server.port" in result.stderr
+
+
+def test_metrics_count_a_known_sequence_exactly(appliance: Appliance) -> None:
+    def scrape() -> str:
+        return httpx.get(f"{appliance.url}/metrics", timeout=10).text
+
+    route = {"route": "/v1/chat/completions"}
+    before = scrape()
+    sdk, model = client(appliance), model_id(appliance)
+    hi = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        sdk.chat.completions.create(model=model, messages=hi, max_tokens=2)  # type: ignore[arg-type]
+    list(sdk.chat.completions.create(model=model, messages=hi, max_tokens=2,  # type: ignore[arg-type]
+                                     stream=True))
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model=model, messages=hi, n=5)  # type: ignore[arg-type]
+    after = scrape()
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("appliance_requests_total", status="200", **route) == 3
+    assert delta("appliance_requests_total", status="400", **route) == 1
+    assert delta("appliance_rejections_total", reason="n_cap") == 1
+    assert delta("appliance_time_to_first_token_seconds_count", **route) == 1
+    assert value(after, "appliance_engine_state", state="ready") == 1
+    assert value(after, "appliance_requests_in_flight") == 0
+    assert ("appliance_engine_kv_cache_usage_ratio", frozenset()) in samples(after)

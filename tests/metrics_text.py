@@ -1,0 +1,17 @@
+"""Read Prometheus text exposition into {(name, labels): value} for exact assertions."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
