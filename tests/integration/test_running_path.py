@@ -166,3 +166,14 @@ def test_metrics_count_a_known_sequence_exactly(appliance: Appliance) -> None:
     assert value(after, "appliance_engine_state", state="ready") == 1
     assert value(after, "appliance_requests_in_flight") == 0
     assert ("appliance_engine_kv_cache_usage_ratio", frozenset()) in samples(after)
+
+
+def test_status_command_describes_the_running_appliance(appliance: Appliance) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "supervisor.main", "status", "--url",
+                             appliance.url], capture_output=True, text=True, timeout=30,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert "engine:   ready" in result.stdout and "restarts:" in result.stdout

@@ -252,3 +252,73 @@ async def test_progress_keeps_a_busy_worker_alive() -> None:
     assert manager.pid == 100 and manager.state is EngineState.READY
     manager.request_stop()
     await task
+
+
+class FakeGpu:
+    """The manager's GPU view: a scripted verdict and a scripted memory release."""
+
+    def __init__(self) -> None:
+        self.action: str = "none"
+        self.cause = ""
+        self.releases = True
+        self.waited_for: list[set[int]] = []
+
+    def summary(self) -> dict[str, object]:
+        return {"status": "ok", "health": self.action}
+
+    async def check(self) -> tuple[str, str]:
+        action, self.action = self.action, "none" if self.action == "restart_worker" else self.action
+        return action, self.cause
+
+    async def wait_released(self, pids: set[int], timeout_s: float) -> bool:
+        self.waited_for.append(pids)
+        return self.releases
+
+
+def make_gpu_manager(launcher: FakeLauncher, clock: FakeClock, gpu: FakeGpu) -> EngineManager:
+    settings = Settings(supervisor={"backoff_jitter": 0})
+    return EngineManager(settings, launcher, FakeProber(launcher), gpu=gpu,  # type: ignore[arg-type]
+                         clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
+
+
+async def test_application_xid_restarts_the_worker_and_waits_for_its_memory() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception)"
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    assert manager.last_exit is not None and manager.last_exit.reason == "gpu_app_error"
+    assert gpu.waited_for[0] == {100, 101}  # the whole old tree, before the new start
+    manager.request_stop()
+    await task
+
+
+async def test_lost_gpu_fails_for_good_without_a_restart_loop() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    gpu.action, gpu.cause = "fail", "GPU is lost"
+    await until(lambda: manager.state is EngineState.FAILED)
+    clock.now += 100_000
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert manager.state is EngineState.FAILED and len(launcher.workers) == 1
+    assert manager.snapshot()["last_exit"]["detail"] == "GPU is lost"
+    manager.request_stop()
+    await task
+
+
+async def test_memory_still_held_after_stop_goes_failed_instead_of_starting() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    gpu.releases = False
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.state is EngineState.FAILED)
+    assert len(launcher.workers) == 1
+    assert "still hold GPU memory" in manager.snapshot()["last_exit"]["detail"]
+    manager.request_stop()
+    await task
