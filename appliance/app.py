@@ -16,9 +16,9 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from appliance.engine import EngineState, EngineView
 from appliance.errors import ApiError, error_body
-from appliance.gate import Gate
+from appliance.gate import Admitted, Gate
 from appliance.metrics import Metrics
-from appliance.proxy import Disconnected, Proxy
+from appliance.proxy import Disconnected, Proxy, Upstream
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.app")
@@ -55,38 +55,38 @@ def create_app(
             admitted.release()
             raise
 
-    async def _forward(request: Request[Any, Any, Any], path: str, admitted: Any,
+    async def _forward(request: Request[Any, Any, Any], path: str, admitted: Admitted,
                        request_id: str) -> Response[Any]:
         headers = {"content-type": "application/json", REQUEST_ID: request_id}
-        if not admitted.stream:
-            try:
-                upstream, content = await proxy.read("POST", path, admitted.body, headers,
-                                                     _disconnect_waiter(request))
-            except Disconnected:
-                metrics.disconnects.labels(stream="false").inc()
-                log.info("request.client_disconnected", stream=False)
-                return Response(content=b"", status_code=499)
-            finally:
-                admitted.release()
-            return Response(content=content, status_code=upstream.status,
-                            headers=upstream.headers | admitted.headers | {REQUEST_ID: request_id})
-        upstream = await proxy.open("POST", path, admitted.body, headers)
-        if upstream.status != 200:  # the real status reaches the client before any body byte
-            try:
-                content = await upstream.response.aread()
-            finally:
-                await upstream.response.aclose()
-                admitted.release()
-            return Response(content=content, status_code=upstream.status,
-                            headers=upstream.headers | {REQUEST_ID: request_id})
-        upstream.on_close.append(admitted.release)
-        return Stream(
-            _track_disconnect(proxy.relay(upstream), metrics),
-            status_code=200,
-            headers=upstream.headers | admitted.headers | {REQUEST_ID: request_id,
-                                                           "cache-control": "no-cache"},
-            media_type=upstream.headers.get("content-type", "text/event-stream"),
-        )
+        for attempt in (1, 2):
+            if admitted.stream:
+                upstream = await proxy.open("POST", path, admitted.body, headers)
+                if upstream.status == 200:
+                    upstream.on_close.append(admitted.release)
+                    return Stream(
+                        _track_disconnect(proxy.relay(upstream), metrics), status_code=200,
+                        headers=upstream.headers | admitted.headers | {
+                            REQUEST_ID: request_id, "cache-control": "no-cache"},
+                        media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    )
+                content = await _read_refusal(upstream)
+            else:
+                try:
+                    upstream, content = await proxy.read("POST", path, admitted.body, headers,
+                                                         _disconnect_waiter(request))
+                except Disconnected:
+                    admitted.release()
+                    metrics.disconnects.labels(stream="false").inc()
+                    log.info("request.client_disconnected", stream=False)
+                    return Response(content=b"", status_code=499)
+            # A budget the window cannot hold is refused by vLLM before anything is scheduled
+            # (and before any byte of a stream): clamp it exactly and send once more.
+            if upstream.status == 400 and attempt == 1 and await gate.refit(admitted):
+                continue
+            break
+        admitted.release()
+        return Response(content=content, status_code=upstream.status,
+                        headers=upstream.headers | admitted.headers | {REQUEST_ID: request_id})
 
     @get("/v1/models")
     async def models(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -149,6 +149,14 @@ def create_app(
         logging_config=None,  # the supervisor configures logging once, for the whole process
         debug=False,
     )
+
+
+async def _read_refusal(upstream: Upstream) -> bytes:
+    """The body of a non-200 answer to a stream request: a small JSON error, read whole."""
+    try:
+        return await upstream.response.aread()
+    finally:
+        await upstream.response.aclose()
 
 
 def _disconnect_waiter(request: Request[Any, Any, Any]) -> Callable[[], Any]:

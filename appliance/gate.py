@@ -20,6 +20,7 @@ from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
 
+_BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
 _CHAT_KEYS = ("messages", "tools", "chat_template", "chat_template_kwargs",
               "add_generation_prompt", "continue_final_message", "mm_processor_kwargs")
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image_token_id")
@@ -34,10 +35,19 @@ def _read_text(path: str) -> str:
 class Admitted:
     """A request that passed the gate: the body to forward and a slot to give back once."""
 
-    body: bytes
-    stream: bool
+    payload: dict[str, Any]
+    kind: str
+    default_field: str | None = None  # the budget field the gate filled from the default
     headers: dict[str, str] = field(default_factory=dict)
     _gate: Gate | None = None
+
+    def __post_init__(self) -> None:
+        self.body = json.dumps(self.payload).encode()
+        self.stream = self.payload.get("stream") is True
+
+    @property
+    def budgeted(self) -> bool:
+        return any(self.payload.get(key) is not None for key in _BUDGET_FIELDS)
 
     def release(self) -> None:
         gate, self._gate = self._gate, None
@@ -105,8 +115,40 @@ class Gate:
             policy.check_tools(body, tool_parser=self._settings.engine.tool_call_parser)
             policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
                                   disable_with_tools=rules.disable_thinking_with_tools)
-        headers = await self._clamp(body, kind)
-        return Admitted(json.dumps(body).encode(), body.get("stream") is True, headers, self)
+        return Admitted(body, kind, self._apply_default_budget(body, kind), _gate=self)
+
+    def _apply_default_budget(self, body: dict[str, Any], kind: str) -> str | None:
+        """The configured default where the client gave no budget; refit() clamps it if needed."""
+        default = self._settings.policy.default_max_tokens
+        if default is None or any(body.get(key) is not None for key in _BUDGET_FIELDS):
+            return None
+        name = "max_completion_tokens" if kind == "chat" else "max_tokens"
+        body[name] = default
+        return name
+
+    async def refit(self, admitted: Admitted) -> bool:
+        """The worker refused the request (400): if a budget is the reason, count the prompt
+        exactly with the worker's /tokenize, clamp it to the room left and say to send again.
+
+        Counting only after a refusal keeps /tokenize off the hot path: a budget that fits is
+        accepted by vLLM as is, and one that does not is refused in validation, before the
+        engine schedules anything."""
+        if not admitted.budgeted:
+            return False
+        body = dict(admitted.payload)
+        if admitted.default_field is not None:
+            del body[admitted.default_field]  # so the rule reports a clamped default as such
+        count, window = await self._count_prompt(body, admitted.kind)
+        clamp = policy.clamp_max_tokens(body, prompt_tokens=count, max_model_len=window,
+                                        default_max_tokens=self._settings.policy.default_max_tokens)
+        if clamp is None:
+            return False  # the budget fits: the refusal was about something else
+        self._metrics.clamps.inc()
+        log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
+                 applied=clamp.applied, prompt_tokens=count, max_model_len=window)
+        admitted.payload, admitted.body = body, json.dumps(body).encode()
+        admitted.headers[policy.CLAMP_HEADER] = policy.header_value(clamp)
+        return True
 
     async def _check_media(self, body: dict[str, Any]) -> None:
         parts = policy.find_media_parts(body)
@@ -135,17 +177,6 @@ class Gate:
         except (OSError, ValueError):
             return False
         return isinstance(hf, dict) and any(key in hf for key in _MULTIMODAL_KEYS)
-
-    async def _clamp(self, body: dict[str, Any], kind: str) -> dict[str, str]:
-        count, window = await self._count_prompt(body, kind)
-        clamp = policy.clamp_max_tokens(body, prompt_tokens=count, max_model_len=window,
-                                        default_max_tokens=self._settings.policy.default_max_tokens)
-        if clamp is None:
-            return {}
-        self._metrics.clamps.inc()
-        log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
-                 applied=clamp.applied, prompt_tokens=count, max_model_len=window)
-        return {policy.CLAMP_HEADER: policy.header_value(clamp)}
 
     async def _count_prompt(self, body: dict[str, Any], kind: str) -> tuple[int, int]:
         """Longest prompt and the window, counted by the worker's /tokenize (same template)."""

@@ -25,6 +25,7 @@ class Upstream:
         self.delay = token_delay_s
         self.model = model
         self.running = 0
+        self.tokenized = 0
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -48,10 +49,9 @@ class Upstream:
                                                                "object": "model",
                                                                "max_model_len": MAX_MODEL_LEN}]})
         elif path == "/tokenize":
-            request = json.loads(body or b"{}")
-            text = request.get("prompt") or json.dumps(request.get("messages", ""))
-            await _json(send, 200, {"count": max(1, len(text) // 4),
-                                    "max_model_len": MAX_MODEL_LEN, "tokens": []})
+            self.tokenized += 1
+            count = _prompt_tokens(json.loads(body or b"{}"))
+            await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
         elif path == "/metrics":
             text = f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
             await _raw(send, 200, text.encode(), b"text/plain")
@@ -61,7 +61,16 @@ class Upstream:
 
     async def _generate(self, request: dict[str, Any], path: str, send: Any) -> None:
         chat = path.endswith("chat/completions")
-        count = min(self.tokens, int(request.get("max_tokens") or self.tokens))
+        budget = request.get("max_completion_tokens") or request.get("max_tokens")
+        prompt = _prompt_tokens(request)
+        if isinstance(budget, int) and prompt + budget > MAX_MODEL_LEN:  # as vLLM refuses it
+            await _json(send, 400, {"error": {
+                "message": f"'max_tokens' or 'max_completion_tokens' is too large: {budget}. "
+                           f"This model's maximum context length is {MAX_MODEL_LEN} tokens and "
+                           f"your request has {prompt} input tokens.",
+                "type": "BadRequestError", "param": None, "code": 400}})
+            return
+        count = min(self.tokens, budget if isinstance(budget, int) and budget > 0 else self.tokens)
         self.running += 1
         try:
             if request.get("stream"):
@@ -96,6 +105,12 @@ class Upstream:
                 await asyncio.sleep(self.delay)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
+
+
+def _prompt_tokens(request: dict[str, Any]) -> int:
+    """Four characters a token: a stand-in for the worker's own tokenizer."""
+    text = request.get("prompt") or json.dumps(request.get("messages", ""))
+    return max(1, len(str(text)) // 4)
 
 
 async def _until_disconnect(receive: Any, work: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -128,3 +129,44 @@ async def _eventually(condition: object, timeout: float = 5.0) -> None:
     while not condition():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def test_budget_that_fits_is_forwarded_without_counting_the_prompt() -> None:
+    async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 100})
+        assert response.status_code == 200
+        assert "x-max-tokens-clamped" not in response.headers
+        assert fake.tokenized == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_budget_the_window_cannot_hold_is_clamped_exactly_and_sent_again(
+    stream: bool,
+) -> None:
+    body = CHAT | {"max_tokens": 1_000_000, "stream": stream}
+    async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        prompt = len(json.dumps(CHAT["messages"])) // 4  # the fake's own count
+        assert response.headers["x-max-tokens-clamped"] == (
+            f"requested=1000000; applied={2048 - prompt}")
+        assert fake.tokenized == 1
+
+
+async def test_default_budget_is_applied_and_clamped_as_a_default() -> None:
+    long = {"messages": [{"role": "user", "content": "x" * 8000}]}
+    async with upstream() as (_, url), appliance(
+        FakeEngine(url), policy={"default_max_tokens": 500}
+    ) as client:
+        response = await client.post("/v1/chat/completions", json=long)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-max-tokens-clamped"].endswith("; source=default")
+
+
+async def test_prompt_that_fills_the_window_is_400_naming_the_context_length() -> None:
+    long = {"messages": [{"role": "user", "content": "x" * 9000}], "max_tokens": 10}
+    async with upstream() as (_, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=long)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "2048" in error["message"]
