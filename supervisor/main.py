@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -42,7 +42,17 @@ def _serve(_: argparse.Namespace) -> int:
 
     settings = _settings_or_exit()
     logs.configure(settings.logging)
-    return asyncio.run(serve(settings))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(serve(settings))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where installed (it halves the event loop's share of each proxied request)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _check_config(_: argparse.Namespace) -> int:
