@@ -31,6 +31,7 @@ _ENGINE_GAUGES = {
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
                      "/livez", "/metrics"})
+_QUIET_ROUTES = frozenset({"/health", "/livez", "/metrics"})  # polled: an access line each is noise
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -98,8 +99,12 @@ class Metrics:
             try:
                 await app(scope, receive, send_measured)
             finally:
+                elapsed = time.perf_counter() - started
                 self.requests.labels(route=route, status=str(status)).inc()
-                self.duration.labels(route=route).observe(time.perf_counter() - started)
+                self.duration.labels(route=route).observe(elapsed)
+                if route not in _QUIET_ROUTES:  # an access line, request id bound by the caller
+                    log.info("request.completed", method=scope["method"], route=route,
+                             status=status, duration_ms=round(elapsed * 1000, 1))
 
         return measured
 

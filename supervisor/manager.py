@@ -258,7 +258,13 @@ class EngineManager:
         if worker is self._worker and self._state in (EngineState.READY, EngineState.STARTING,
                                                       EngineState.UNHEALTHY, EngineState.DRAINING):
             self._lost.set()
-            self._set_state(EngineState.STOPPING, f"worker exited: {describe_exit(worker.returncode)}")
+            how = describe_exit(worker.returncode)
+            # /health shows the cause at once; the full record follows once the tree is reaped.
+            self._last_exit = (ExitCause("boot", "exited", f"never became ready: {how}", time.time())
+                               if self._state is EngineState.STARTING else
+                               ExitCause("running", "exited", f"crashed after ready: {how}",
+                                         time.time()))
+            self._set_state(EngineState.STOPPING, f"worker exited: {how}")
         self._wake.set()
 
     async def _boot(self, worker: Worker) -> ExitCause | None:

@@ -58,8 +58,10 @@ def test_request_id_is_taken_from_the_client_and_returned(appliance: Appliance) 
                           json={"prompt": "Hello", "max_tokens": 2})
     assert response.status_code == 200
     assert response.headers["x-request-id"] == "req-integration-42"
-    bound = [e for e in appliance.log_events() if e.get("request_id") == "req-integration-42"]
-    assert bound, "the request id is bound into the appliance's log lines"
+    deadline = time.monotonic() + 5  # the access line is written just after the last byte
+    while not [e for e in appliance.log_events() if e.get("request_id") == "req-integration-42"]:
+        assert time.monotonic() < deadline, "the request id is bound into the appliance's log lines"
+        time.sleep(0.1)
 
 
 def test_health_reports_the_worker(appliance: Appliance) -> None:
