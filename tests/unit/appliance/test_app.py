@@ -101,7 +101,7 @@ async def test_client_disconnect_closes_the_upstream_request() -> None:
         request.cancel()  # the client goes away mid-request, not streaming
         with contextlib.suppress(asyncio.CancelledError):
             await request
-        await _eventually(lambda: fake.running == 0, timeout=0.5)
+        await _eventually(lambda: fake.running == 0, within_s=0.5)
 
 
 async def test_streaming_client_disconnect_closes_the_upstream_request() -> None:
@@ -110,7 +110,7 @@ async def test_streaming_client_disconnect_closes_the_upstream_request() -> None
                             json=CHAT | {"max_tokens": 200, "stream": True}) as response:
             async for _ in response.aiter_lines():
                 break
-        await _eventually(lambda: fake.running == 0, timeout=0.5)
+        await _eventually(lambda: fake.running == 0, within_s=0.5)
 
 
 async def test_oversized_body_is_413_in_the_openai_shape() -> None:
@@ -123,9 +123,9 @@ async def test_oversized_body_is_413_in_the_openai_shape() -> None:
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-async def _eventually(condition: object, timeout: float = 5.0) -> None:
+async def _eventually(condition: object, within_s: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + within_s
     while not condition():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
