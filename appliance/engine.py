@@ -7,7 +7,7 @@ import enum
 from typing import Any, Protocol
 
 
-class EngineState(str, enum.Enum):
+class EngineState(enum.StrEnum):
     STARTING = "starting"
     READY = "ready"
     UNHEALTHY = "unhealthy"
