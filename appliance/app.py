@@ -18,7 +18,7 @@ from appliance.engine import EngineState, EngineView
 from appliance.errors import ApiError, error_body
 from appliance.gate import Admitted, Gate
 from appliance.metrics import Metrics
-from appliance.proxy import Disconnected, Proxy, Upstream
+from appliance.proxy import Disconnected, Proxy
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.app")
@@ -69,7 +69,7 @@ def create_app(
                             REQUEST_ID: request_id, "cache-control": "no-cache"},
                         media_type=upstream.headers.get("content-type", "text/event-stream"),
                     )
-                content = await _read_refusal(upstream)
+                content = await upstream.read_all()
             else:
                 try:
                     upstream, content = await proxy.read("POST", path, admitted.body, headers,
@@ -149,14 +149,6 @@ def create_app(
         logging_config=None,  # the supervisor configures logging once, for the whole process
         debug=False,
     )
-
-
-async def _read_refusal(upstream: Upstream) -> bytes:
-    """The body of a non-200 answer to a stream request: a small JSON error, read whole."""
-    try:
-        return await upstream.response.aread()
-    finally:
-        await upstream.response.aclose()
 
 
 def _disconnect_waiter(request: Request[Any, Any, Any]) -> Callable[[], Any]:

@@ -8,8 +8,8 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import anyio
-import httpx
 import structlog
 
 from appliance.engine import EngineState, EngineView
@@ -24,6 +24,8 @@ _DROP = frozenset({
     "proxy-connection", "te", "trailer", "upgrade", "date", "server",
 })
 _END = object()
+# What a worker that died, hung up or never answered looks like from the client side.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 @dataclass
@@ -32,8 +34,17 @@ class Upstream:
 
     status: int
     headers: dict[str, str]
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     on_close: list[Callable[[], None]] = field(default_factory=list)
+
+    async def read_all(self) -> bytes:
+        """The whole body (an error answer, or a non-streaming one), then the connection back."""
+        try:
+            return await self.response.read()
+        except _TRANSPORT_ERRORS as exc:
+            raise _lost(exc) from exc
+        finally:
+            self.response.release()
 
 
 class Disconnected(Exception):
@@ -45,17 +56,25 @@ class Proxy:
 
     def __init__(self, engine: EngineView, server: ServerSettings) -> None:
         self._engine = engine
-        self._client = httpx.AsyncClient(
-            base_url=engine.base_url,
-            timeout=httpx.Timeout(server.upstream_read_timeout_s,
-                                  connect=server.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=server.upstream_max_connections,
-                                max_keepalive_connections=server.upstream_max_connections),
-            trust_env=False,
-        )
+        self._server = server
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Made on first use: a session belongs to the running loop, not to the factory's caller.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                base_url=self._engine.base_url,
+                timeout=aiohttp.ClientTimeout(total=None,
+                                              sock_connect=self._server.upstream_connect_timeout_s,
+                                              sock_read=self._server.upstream_read_timeout_s),
+                connector=aiohttp.TCPConnector(limit=self._server.upstream_max_connections),
+                trust_env=False,
+            )
+        return self._session
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     def ensure_ready(self) -> None:
         """Engine not serving: 503 with Retry-After before any work is done for the request."""
@@ -71,13 +90,12 @@ class Proxy:
                    headers: dict[str, str]) -> Upstream:
         """Send the request and wait for the worker's status line and headers, not the body."""
         self.ensure_ready()
-        request = self._client.build_request(method, path, content=body, headers=headers)
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await self._client().request(method, path, data=body, headers=headers)
+        except _TRANSPORT_ERRORS as exc:
             raise self.unavailable(exc) from exc
         kept = {k: v for k, v in response.headers.items() if k.lower() not in _DROP}
-        return Upstream(response.status_code, kept, response)
+        return Upstream(response.status, kept, response)
 
     async def read(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
                    disconnected: Callable[[], Awaitable[None]]) -> tuple[Upstream, bytes]:
@@ -106,11 +124,10 @@ class Proxy:
                         headers: dict[str, str]) -> tuple[Upstream, bytes]:
         upstream = await self.open(method, path, body, headers)
         try:
-            content = await upstream.response.aread()
-        except httpx.HTTPError as exc:
-            raise self.unavailable(exc) from exc
-        finally:
-            await upstream.response.aclose()
+            content = await upstream.read_all()
+        except asyncio.CancelledError:
+            upstream.response.close()  # the client left: drop the connection, vLLM aborts
+            raise
         self._engine.note_progress()
         return upstream, content
 
@@ -148,13 +165,13 @@ class Proxy:
             for callback in upstream.on_close:
                 callback()
 
-    async def _pump(self, response: httpx.Response, queue: asyncio.Queue[object]) -> None:
+    async def _pump(self, response: aiohttp.ClientResponse, queue: asyncio.Queue[object]) -> None:
         outcome: object = _END
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 self._engine.note_progress()
                 queue.put_nowait(chunk)
-        except httpx.HTTPError as exc:
+        except _TRANSPORT_ERRORS as exc:
             log.warning("upstream.stream_broken", error=type(exc).__name__)
             outcome = "the engine stopped mid-stream; partial output above"
         except asyncio.CancelledError:
@@ -162,15 +179,24 @@ class Proxy:
             raise
         finally:
             queue.put_nowait(outcome)
-            await response.aclose()
+            if outcome is _END:
+                response.release()  # read to the end: the connection goes back to the pool
+            else:
+                response.close()  # closing the socket is what makes vLLM abort the request
 
-    def unavailable(self, exc: httpx.HTTPError) -> ApiError:
+    def unavailable(self, exc: BaseException) -> ApiError:
         log.warning("upstream.unreachable", error=type(exc).__name__, state=self._engine.state.value)
         return EngineUnavailable(
             "the engine is not answering; retry shortly",
             code="engine_unavailable",
             retry_after_s=self._engine.retry_after_s(),
         )
+
+
+def _lost(exc: BaseException) -> ApiError:
+    log.warning("upstream.lost", error=type(exc).__name__)
+    return EngineUnavailable("the engine stopped while answering this request",
+                             code="engine_lost", retry_after_s=1)
 
 
 def sse_error(message: str, code: str = "engine_lost") -> bytes:

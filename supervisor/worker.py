@@ -122,6 +122,10 @@ class WorkerProcess:
 
     async def stop(self, grace_s: float) -> StopReport:
         """SIGTERM to the group, grace, SIGKILL to the group, then kill and reap any straggler."""
+        frozen = [p.pid for p in session_members(self.pid) if _is_frozen(p)]
+        if frozen:  # a SIGSTOPped process cannot act on SIGTERM: waiting the grace is waste
+            log.warning("worker.frozen", pids=frozen, action="SIGKILL without grace")
+            grace_s = 0.0
         _signal_group(self.pid, signal.SIGTERM)
         escalated = False
         if not await _wait_gone(self, grace_s):
@@ -176,6 +180,13 @@ def session_members(sid: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return members
+
+
+def _is_frozen(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.status() == psutil.STATUS_STOPPED)
+    except psutil.Error:
+        return False
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
