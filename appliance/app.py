@@ -63,8 +63,9 @@ def create_app(
                 upstream = await proxy.open("POST", path, admitted.body, headers)
                 if upstream.status == 200:
                     upstream.on_close.append(admitted.release)
+                    upstream.on_abandon.append(_count_abandoned)
                     return Stream(
-                        _track_disconnect(proxy.relay(upstream), metrics), status_code=200,
+                        proxy.relay(upstream), status_code=200,
                         headers=upstream.headers | admitted.headers | {
                             REQUEST_ID: request_id, "cache-control": "no-cache"},
                         media_type=upstream.headers.get("content-type", "text/event-stream"),
@@ -87,6 +88,10 @@ def create_app(
         admitted.release()
         return Response(content=content, status_code=upstream.status,
                         headers=upstream.headers | admitted.headers | {REQUEST_ID: request_id})
+
+    def _count_abandoned() -> None:
+        metrics.disconnects.labels(stream="true").inc()
+        log.info("request.client_disconnected", stream=True)
 
     @get("/v1/models")
     async def models(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -161,20 +166,6 @@ def _disconnect_waiter(request: Request[Any, Any, Any]) -> Callable[[], Any]:
                 return
 
     return wait
-
-
-async def _track_disconnect(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:
-    """Counts streams the client abandoned; Litestar cancels us when the client leaves."""
-    finished = False
-    try:
-        async for chunk in chunks:
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            metrics.disconnects.labels(stream="true").inc()
-            log.info("request.client_disconnected", stream=True)
-        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 def _request_context(app: ASGIApp) -> ASGIApp:

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-import anyio
 import structlog
 
 from appliance.engine import EngineState, EngineView
@@ -23,7 +22,6 @@ _DROP = frozenset({
     "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
     "proxy-connection", "te", "trailer", "upgrade", "date", "server",
 })
-_END = object()
 # What a worker that died, hung up or never answered looks like from the client side.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -36,6 +34,7 @@ class Upstream:
     headers: dict[str, str]
     response: aiohttp.ClientResponse
     on_close: list[Callable[[], None]] = field(default_factory=list)
+    on_abandon: list[Callable[[], None]] = field(default_factory=list)  # the client left mid-way
 
     async def read_all(self) -> bytes:
         """The whole body (an error answer, or a non-streaming one), then the connection back."""
@@ -132,57 +131,39 @@ class Proxy:
         return upstream, content
 
     async def relay(self, upstream: Upstream) -> AsyncIterator[bytes]:
-        """Yield the worker's stream as it comes; a worker lost mid-way ends in an SSE error."""
-        # Unbounded on purpose: what it can hold is bounded by this one response's tokens, and
-        # the terminal item must always fit, or a lost worker would leave the client hanging.
-        queue: asyncio.Queue[object] = asyncio.Queue()
+        """Yield the worker's stream as it comes; a worker lost mid-way ends in an SSE error.
+
+        Closing an aiohttp response is synchronous, so the engine's `lost` event closes it from
+        a callback and the read in progress fails at once; no reader task, no queue per chunk.
+        """
+        response, lost = upstream.response, self._engine.lost()
         self._engine.note_request(+1)
-        reader = asyncio.ensure_future(self._pump(upstream.response, queue))
-        lost = self._engine.lost()
         guard = asyncio.ensure_future(lost.wait())
-        # Cancel the reader exactly once: a second cancel() would interrupt httpcore's own
-        # clean-up of the connection, leaving the worker generating for nobody.
-        guard.add_done_callback(lambda done: None if done.cancelled() else reader.cancel())
+        guard.add_done_callback(lambda done: None if done.cancelled() else response.close())
+        finished = broken = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, bytes):
-                    yield item
-                    continue
-                if item is _END:
-                    return
-                yield sse_error(item if isinstance(item, str) else "the engine stopped mid-stream")
-                return
+            try:
+                async for chunk in response.content.iter_any():
+                    self._engine.note_progress()
+                    yield chunk
+                finished = True
+            except _TRANSPORT_ERRORS as exc:
+                broken = True
+                log.warning("upstream.stream_broken", error=type(exc).__name__,
+                            engine_lost=lost.is_set())
+                yield sse_error("the engine was restarted mid-stream; partial output above"
+                                if lost.is_set() else
+                                "the engine stopped mid-stream; partial output above")
         finally:
             guard.cancel()
-            if not reader.done() and not (guard.done() and not guard.cancelled()):
-                reader.cancel()  # the reader closes the upstream response in its own finally
-            # Litestar cancels this generator through an anyio scope that re-cancels every
-            # await: shield the clean-up so the slot and the count are always given back.
-            with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
-                await reader
-            self._engine.note_request(-1)
-            for callback in upstream.on_close:
-                callback()
-
-    async def _pump(self, response: aiohttp.ClientResponse, queue: asyncio.Queue[object]) -> None:
-        outcome: object = _END
-        try:
-            async for chunk in response.content.iter_any():
-                self._engine.note_progress()
-                queue.put_nowait(chunk)
-        except _TRANSPORT_ERRORS as exc:
-            log.warning("upstream.stream_broken", error=type(exc).__name__)
-            outcome = "the engine stopped mid-stream; partial output above"
-        except asyncio.CancelledError:
-            outcome = "the engine was restarted mid-stream; partial output above"
-            raise
-        finally:
-            queue.put_nowait(outcome)
-            if outcome is _END:
+            if finished:
                 response.release()  # read to the end: the connection goes back to the pool
             else:
                 response.close()  # closing the socket is what makes vLLM abort the request
+            self._engine.note_request(-1)
+            callbacks = upstream.on_close + ([] if finished or broken else upstream.on_abandon)
+            for callback in callbacks:
+                callback()
 
     def unavailable(self, exc: BaseException) -> ApiError:
         log.warning("upstream.unreachable", error=type(exc).__name__, state=self._engine.state.value)
