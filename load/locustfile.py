@@ -10,6 +10,7 @@ the JSON summary written when locust quits).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -84,6 +85,17 @@ def _sse_data(lines: Iterator[str]) -> Iterator[str]:
                 return
 
 
+@contextlib.contextmanager
+def _recorded(outcome: Outcome) -> Iterator[None]:
+    """Settle the outcome from the SDK's refusal or transport failure instead of raising."""
+    try:
+        yield
+    except openai.APIStatusError as exc:
+        outcome.settle(exc.status_code, len(exc.response.content))
+    except TRANSPORT_ERRORS as exc:
+        outcome.error = _transport_error(exc)
+
+
 def _transport_error(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     name = type(cause).__name__
@@ -135,33 +147,24 @@ class SdkUser(User):
 
     def complete(self, outcome: Outcome, **params: Any) -> Mapping[str, str] | None:
         """One non-streaming chat completion; the outcome records status and terminal answer."""
-        try:
+        with _recorded(outcome):
             raw = self.sdk.chat.completions.with_raw_response.create(model=self.model, **params)
             raw.parse()
             outcome.settle(raw.status_code, len(raw.content))
             headers: Mapping[str, str] = raw.headers
             return headers
-        except openai.APIStatusError as exc:
-            outcome.settle(exc.status_code, len(exc.response.content))
-        except TRANSPORT_ERRORS as exc:
-            outcome.error = _transport_error(exc)
         return None
 
     def stream(self, outcome: Outcome, keep: int | None = None,
                **params: Any) -> Mapping[str, str] | None:
         """One streamed chat completion, read to `[DONE]`, or left after `keep` tokens."""
         outcome.terminal = False
-        try:
-            with self.sdk.chat.completions.with_streaming_response.create(
-                    model=self.model, stream=True, **params) as response:
-                outcome.status = response.status_code
-                self._read_events(response.iter_lines(), outcome, keep)
-                headers: Mapping[str, str] = response.headers
-                return headers
-        except openai.APIStatusError as exc:
-            outcome.settle(exc.status_code, len(exc.response.content))
-        except TRANSPORT_ERRORS as exc:
-            outcome.error = _transport_error(exc)
+        with _recorded(outcome), self.sdk.chat.completions.with_streaming_response.create(
+                model=self.model, stream=True, **params) as response:
+            outcome.status = response.status_code
+            self._read_events(response.iter_lines(), outcome, keep)
+            headers: Mapping[str, str] = response.headers
+            return headers
         return None
 
     @staticmethod
