@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -179,3 +180,23 @@ def test_status_command_describes_the_running_appliance(appliance: Appliance) ->
                             check=False)
     assert result.returncode == 0, result.stderr
     assert "engine:   ready" in result.stdout and "restarts:" in result.stdout
+
+
+def test_a_worker_that_never_boots_is_told_apart_and_backs_off(tmp_path: Path) -> None:
+    """A bad model path: the real vLLM exits during boot; /health names it a boot failure."""
+    with running_appliance(tmp_path, engine__model=str(tmp_path / "no-such-model"),
+                           supervisor__crash_loop_restarts="2") as appliance:
+        deadline = time.monotonic() + 240
+        detail: dict = {}
+        while detail.get("state") != "failed":
+            assert time.monotonic() < deadline, f"never went failed: {detail}"
+            time.sleep(1)
+            with contextlib.suppress(httpx.ConnectError):  # the API may not listen yet
+                detail = appliance.health().json()
+        assert appliance.health().status_code == 503
+        assert detail["last_exit"]["phase"] == "boot"
+        assert detail["last_exit"]["detail"].startswith("never became ready: exit ")
+        events = [e["event"] for e in appliance.log_events()]
+        assert "engine.boot_failed" in events and "engine.exited" not in events
+        refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 5
