@@ -56,6 +56,8 @@ class Admitted:
 
 
 class Gate:
+    """Auth, admission and the policy rules, in that order; holds the in-flight slots."""
+
     def __init__(self, settings: Settings, engine: EngineView, proxy: Proxy,
                  metrics: Metrics) -> None:
         self._settings = settings
