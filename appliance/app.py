@@ -47,7 +47,7 @@ def create_app(
         return await _generate(request, "/v1/completions", "completion")
 
     async def _generate(request: Request[Any, Any, Any], path: str, kind: str) -> Response[Any]:
-        request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        request_id = request.headers[REQUEST_ID]  # made by _request_context when absent
         admitted = await gate.admit(request, kind)
         try:
             return await _forward(request, path, admitted, request_id)
