@@ -78,7 +78,7 @@ def wait_http(service: Service, url: str, timeout_s: float,
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
                     api_key: str, workdir: Path) -> Service:
     """`chat-appliance serve` supervising the synthetic upstream as its worker."""
-    upstream = [sys.executable, "-m", "load.synthetic_upstream", "--port", str(upstream_port),
+    upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
                 "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),

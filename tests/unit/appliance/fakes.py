@@ -11,7 +11,7 @@ from typing import Any
 import uvicorn
 
 from appliance.engine import EngineState
-from load.synthetic_upstream import Upstream
+from tests.support.synthetic_upstream import Upstream
 from tests.net import free_port
 
 

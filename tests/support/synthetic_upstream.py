@@ -1,6 +1,6 @@
 """A synthetic vLLM-shaped OpenAI server: no model, tokens as fast as asked (bench and tests).
 
-Run: python -m load.synthetic_upstream --port 8100 [--tokens 64] [--token-delay 0]
+Run: python -m tests.support.synthetic_upstream --port 8100 [--tokens 64] [--token-delay 0]
 It answers /health, /v1/models, /tokenize (4 characters a token), /metrics (the running
 count, as vLLM names it) and /v1/chat/completions, /v1/completions, streamed or not.
 """
