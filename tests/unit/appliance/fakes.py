@@ -11,8 +11,8 @@ from typing import Any
 import uvicorn
 
 from appliance.engine import EngineState
-from tests.support.synthetic_upstream import Upstream
 from tests.net import free_port
+from tests.support.synthetic_upstream import Upstream
 
 
 @dataclass
