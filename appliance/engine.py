@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol
+
+from appliance.errors import engine_unavailable
 
 
 class EngineState(enum.StrEnum):
@@ -37,18 +39,17 @@ class EngineView(Protocol):
         """How long a client should wait before trying again while the engine is not ready."""
         ...
 
-    def lost(self) -> asyncio.Event:
-        """Set when the current worker stops serving (crash, hang, stop); a new one per worker."""
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once if the current worker stops serving (crash, hang, stop);
+        returns the function that cancels the subscription."""
         ...
 
     def snapshot(self) -> dict[str, Any]:
         """Health detail: state, pid, uptime, restarts, last exit cause, GPU summary."""
         ...
 
-    def note_request(self, delta: int) -> None:
-        """A request to the worker started (+1) or ended (-1); the stall watch needs the count."""
-        ...
 
-    def note_progress(self) -> None:
-        """Bytes arrived from the worker; a stall is no bytes while requests are in flight."""
-        ...
+def require_ready(engine: EngineView) -> None:
+    """503 with Retry-After, before any work is done for a request, unless the engine serves."""
+    if engine.state is not EngineState.READY:
+        raise engine_unavailable(engine.state.value, engine.retry_after_s())

@@ -1,23 +1,29 @@
-"""The one error shape the API answers with, and the exceptions that map onto it.
+"""The exceptions the API answers with, and the one place foreign failures become them.
 
-ApiError                      any answer in the OpenAI error shape
-├── BadRequest (400)          malformed body, wrong types, policy refusals naming a param
+ApiError                         any refusal or failure a client is told about
+├── BadRequest (400)             malformed body, wrong types, policy refusals naming a param
 ├── Unauthorized (401)
+├── NotFound (404)
+├── RequestTimeout (408)         the body did not arrive within its time
 ├── PayloadTooLarge (413)
-├── TooManyRequests (429)     admission; carries Retry-After
-└── EngineUnavailable (503)   engine not ready, restarting, lost mid-request; carries Retry-After
+├── UnsupportedMediaType (415)   a generation request whose body is not JSON
+├── TooManyRequests (429)        admission; carries Retry-After
+├── InternalError (500)          a bug of ours: logged with its traceback, counted
+├── UpstreamError (the worker's status)  the worker refused or failed; its message, our shape
+└── EngineUnavailable (503)      engine not ready, restarting, lost mid-request; carries Retry-After
+
+How an ApiError is written on the wire (OpenAI's shape, Anthropic's) is the route's choice:
+see appliance.shapes.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class ApiError(Exception):
-    """An answer in the OpenAI shape {"error": {"message", "type", "param", "code"}}."""
+    """A refusal or failure with what every error shape needs: status, kind, message, param."""
 
     status = 500
-    type = "internal_error"
+    kind = "server_error"  # the OpenAI `type`; shapes map it to their own vocabulary
 
     def __init__(
         self,
@@ -33,11 +39,8 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
-        # reason: the label metrics count this rejection under
-        self.reason = reason or code or self.type
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        # reason: the bounded label metrics count this refusal under
+        self.reason = reason or code or self.kind
 
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
@@ -47,35 +50,76 @@ class ApiError(Exception):
 
 class BadRequest(ApiError):
     status = 400
-    type = "invalid_request_error"
+    kind = "invalid_request_error"
 
 
 class Unauthorized(ApiError):
     status = 401
-    type = "authentication_error"
+    kind = "authentication_error"
 
 
 class NotFound(ApiError):
     status = 404
-    type = "invalid_request_error"
+    kind = "not_found_error"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    kind = "invalid_request_error"
+
+
+class RequestTimeout(ApiError):
+    status = 408
+    kind = "invalid_request_error"
 
 
 class PayloadTooLarge(ApiError):
     status = 413
-    type = "invalid_request_error"
+    kind = "invalid_request_error"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    kind = "invalid_request_error"
 
 
 class TooManyRequests(ApiError):
     status = 429
-    type = "rate_limit_error"
+    kind = "rate_limit_error"
+
+
+class InternalError(ApiError):
+    status = 500
+    kind = "server_error"
 
 
 class EngineUnavailable(ApiError):
     status = 503
-    type = "service_unavailable"
+    kind = "service_unavailable"
 
 
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+class UpstreamError(ApiError):
+    """The worker answered with an error status; its message is passed on in our shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None, code: str | None) -> None:
+        super().__init__(message, param=param, code=code, reason=f"engine_{status}")
+        self.status = status
+        self.kind = _KIND_BY_STATUS.get(status, "server_error" if status >= 500
+                                        else "invalid_request_error")
+
+
+_KIND_BY_STATUS = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+}
+
+
+def engine_unavailable(state: str, retry_after_s: int) -> EngineUnavailable:
+    return EngineUnavailable(f"the engine is {state}; retry shortly", code="engine_unavailable",
+                             retry_after_s=retry_after_s, reason="engine_unavailable")
+
+
+def engine_lost(retry_after_s: int) -> EngineUnavailable:
+    return EngineUnavailable("the engine stopped while answering this request; retry shortly",
+                             code="engine_lost", retry_after_s=retry_after_s, reason="engine_lost")

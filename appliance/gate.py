@@ -1,211 +1,124 @@
-"""The gate every generation request passes: auth, admission, then the policy rules in order."""
+"""The gate every generation request passes before the engine: parse, validate, the policy rules.
+
+Vetting is pure CPU work on the body (no I/O, no slot held), so a refusal costs the engine
+nothing; a big body is vetted on a worker thread so that it never stalls the event loop.
+The budget is fitted later, once the request holds an admission slot (it may ask the worker).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import httpx
+import msgspec
 import structlog
-from litestar import Request
 
 from appliance import policy
-from appliance.engine import EngineView
-from appliance.errors import BadRequest, TooManyRequests
-from appliance.metrics import Metrics
-from appliance.proxy import Proxy
+from appliance.apis import GenerationApi
+from appliance.budget import BudgetFitter
+from appliance.errors import BadRequest
+from appliance.policy.fields import check_fields
+from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
 
-_BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
-_CHAT_KEYS = ("messages", "tools", "chat_template", "chat_template_kwargs",
-              "add_generation_prompt", "continue_final_message", "mm_processor_kwargs")
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image_token_id")
 
 
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as handle:
-        return handle.read()
-
-
 @dataclass
-class Admitted:
-    """A request that passed the gate: the body to forward and a slot to give back once."""
+class Vetted:
+    """A request that passed the rules: what to forward, and what the gate did to it."""
 
+    api: GenerationApi
     payload: dict[str, Any]
-    kind: str
-    default_field: str | None = None  # the budget field the gate filled from the default
-    headers: dict[str, str] = field(default_factory=dict)
-    _gate: Gate | None = None
-
-    def __post_init__(self) -> None:
-        self.body = json.dumps(self.payload).encode()
-        self.stream = self.payload.get("stream") is True
+    raw: bytes
+    changed: bool = False  # a rule rewrote the body: it is re-encoded, else forwarded as sent
+    defaulted: bool = False  # the budget is the configured default
+    headers: dict[str, str] = field(default_factory=dict)  # for the client's answer
 
     @property
-    def budgeted(self) -> bool:
-        return any(self.payload.get(key) is not None for key in _BUDGET_FIELDS)
+    def stream(self) -> bool:
+        return self.payload.get("stream") is True
 
-    def release(self) -> None:
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            gate.release_slot()
+    def body(self) -> bytes:
+        return msgspec.json.encode(self.payload) if self.changed else self.raw
 
 
 class Gate:
-    """Auth, admission and the policy rules, in that order; holds the in-flight slots."""
+    """Vets bodies against the settings' rules; fits budgets through the BudgetFitter."""
 
-    def __init__(self, settings: Settings, engine: EngineView, proxy: Proxy,
-                 metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, budget: BudgetFitter,
+                 on_clamp: Callable[[], None] = lambda: None) -> None:
         self._settings = settings
-        self._engine = engine
-        self._proxy = proxy
-        self._metrics = metrics
-        self._keys = [key.get_secret_value() for key in settings.server.api_keys]
-        self._in_flight = 0
-        self._tokenizer = httpx.AsyncClient(base_url=engine.base_url, trust_env=False,
-                                            timeout=httpx.Timeout(30.0, connect=2.0))
-        self._multimodal: bool | None = None
+        self._on_clamp = on_clamp
+        self._rules = settings.policy
+        self._budget = budget
+        self._multimodal = _is_multimodal(settings)
 
-    async def aclose(self) -> None:
-        await self._tokenizer.aclose()
+    async def vet(self, raw: bytes, api: GenerationApi) -> Vetted:
+        if len(raw) > self._settings.server.parse_in_thread_bytes:
+            return await asyncio.to_thread(self.vet_now, raw, api)
+        return self.vet_now(raw, api)
 
-    def authenticate(self, request: Request[Any, Any, Any]) -> None:
-        policy.check_bearer(request.headers.get("authorization"), self._keys)
-
-    def authenticate_ops(self, request: Request[Any, Any, Any]) -> None:
-        if self._settings.server.protect_ops_routes:
-            self.authenticate(request)
-
-    async def admit(self, request: Request[Any, Any, Any], kind: str) -> Admitted:
-        """Run every rule; raise an ApiError for the first that refuses, else hold a slot."""
-        self.authenticate(request)
-        self._proxy.ensure_ready()
-        self._take_slot()
-        try:
-            return await self._vet(request, kind)
-        except BaseException:
-            self.release_slot()
-            raise
-
-    def release_slot(self) -> None:
-        self._in_flight -= 1
-        self._metrics.in_flight.set(self._in_flight)
-
-    def _take_slot(self) -> None:
-        # Decided before any tokenizing or image work: admission must stay cheap under overload.
-        if self._in_flight >= self._settings.policy.max_inflight:
-            raise TooManyRequests(
-                f"more than {self._settings.policy.max_inflight} requests in flight; retry shortly",
-                code="too_many_requests", retry_after_s=1, reason="admission")
-        self._in_flight += 1
-        self._metrics.in_flight.set(self._in_flight)
-
-    async def _vet(self, request: Request[Any, Any, Any], kind: str) -> Admitted:
-        rules = self._settings.policy
-        body = policy.parse_json(await request.body())
-        if kind == "chat":
-            policy.validate_chat(body)
-        else:
-            policy.validate_completion(body)
+    def vet_now(self, raw: bytes, api: GenerationApi) -> Vetted:
+        """Every rule that needs only the body; raises the first refusal as an ApiError."""
+        rules = self._rules
+        body = policy.parse_json(raw)
+        api.validate(body)
+        check_fields(body, api.fields)
         policy.check_n(body, rules.max_n)
-        if kind == "chat":
-            await self._check_media(body)
+        _check_fanout(body, rules.max_batch_prompts)
+        changed = False
+        if api.find_media is not None:
+            policy.check_media(api.find_media(body), multimodal=self._multimodal,
+                               max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
+                               allowed_hosts=rules.allowed_media_hosts)
+        if api.chat_rules:
             policy.check_tools(body, tool_parser=self._settings.engine.tool_call_parser)
-            policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
-                                  disable_with_tools=rules.disable_thinking_with_tools)
-        return Admitted(body, kind, self._apply_default_budget(body, kind), _gate=self)
+            changed = policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
+                                            disable_with_tools=rules.disable_thinking_with_tools)
+        defaulted = apply_default_budget(body, api.budget_fields, rules.default_max_tokens)
+        return Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted)
 
-    def _apply_default_budget(self, body: dict[str, Any], kind: str) -> str | None:
-        """The configured default where the client gave no budget; refit() clamps it if needed."""
-        default = self._settings.policy.default_max_tokens
-        if default is None or any(body.get(key) is not None for key in _BUDGET_FIELDS):
-            return None
-        name = "max_completion_tokens" if kind == "chat" else "max_tokens"
-        body[name] = default
-        return name
-
-    async def refit(self, admitted: Admitted) -> bool:
-        """The worker refused the request (400): if a budget is the reason, count the prompt
-        exactly with the worker's /tokenize, clamp it to the room left and say to send again.
-
-        Counting only after a refusal keeps /tokenize off the hot path: a budget that fits is
-        accepted by vLLM as is, and one that does not is refused in validation, before the
-        engine schedules anything."""
-        if not admitted.budgeted:
-            return False
-        body = dict(admitted.payload)
-        if admitted.default_field is not None:
-            del body[admitted.default_field]  # so the rule reports a clamped default as such
-        count, window = await self._count_prompt(body, admitted.kind)
-        clamp = policy.clamp_max_tokens(body, prompt_tokens=count, max_model_len=window,
-                                        default_max_tokens=self._settings.policy.default_max_tokens)
-        if clamp is None:
-            return False  # the budget fits: the refusal was about something else
-        self._metrics.clamps.inc()
-        log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
-                 applied=clamp.applied, prompt_tokens=count, max_model_len=window)
-        admitted.payload, admitted.body = body, json.dumps(body).encode()
-        admitted.headers[policy.CLAMP_HEADER] = policy.header_value(clamp)
-        return True
-
-    async def _check_media(self, body: dict[str, Any]) -> None:
-        parts = policy.find_media_parts(body)
-        if not parts:
+    async def fit_budget(self, vetted: Vetted) -> None:
+        """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""
+        fitted = await self._budget.fit(vetted.api, vetted.payload, len(vetted.raw),
+                                        defaulted=vetted.defaulted, multimodal=self._multimodal)
+        if fitted.clamp is None:
             return
-        rules = self._settings.policy
-        policy.check_media(parts, multimodal=await self._is_multimodal(),
-                           max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
-                           allowed_hosts=rules.allowed_media_hosts)
+        clamp = fitted.clamp
+        vetted.changed = True
+        vetted.headers[CLAMP_HEADER] = header_value(clamp)
+        self._on_clamp()
+        log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
+                 applied=clamp.applied, defaulted=clamp.defaulted)
 
-    async def _is_multimodal(self) -> bool:
-        """From settings, else asked of the worker once: does its model take images?"""
-        setting = self._settings.policy.multimodal
-        if setting != "auto":
-            return setting == "on"
-        if self._multimodal is None:
-            self._multimodal = await self._ask_multimodal()
-        return self._multimodal
 
-    async def _ask_multimodal(self) -> bool:
-        # vLLM's /v1/models does not say; the model directory's config does (a vision or audio
-        # tower). A model we cannot read is treated as text-only: refusing is the safe side.
-        path = f"{self._settings.engine.model}/config.json"
-        try:
-            hf = json.loads(await asyncio.to_thread(_read_text, path))
-        except (OSError, ValueError):
-            return False
-        return isinstance(hf, dict) and any(key in hf for key in _MULTIMODAL_KEYS)
+def _check_fanout(body: dict[str, Any], max_prompts: int) -> None:
+    """A batch of prompts is bounded: each one is a sequence for the engine to prefill."""
+    prompts = body.get("prompt")
+    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) \
+            and len(prompts) > max_prompts:
+        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; at most {max_prompts} are "
+                         "accepted per request (setting policy.max_batch_prompts).",
+                         param="prompt", code="too_many_prompts")
 
-    async def _count_prompt(self, body: dict[str, Any], kind: str) -> tuple[int, int]:
-        """Longest prompt and the window, counted by the worker's /tokenize (same template)."""
-        if kind == "chat":
-            return await self._tokenize({k: body[k] for k in _CHAT_KEYS if k in body}, kind)
-        prompts = body.get("prompt", "")
-        if not isinstance(prompts, list) or not prompts or isinstance(prompts[0], int):
-            prompts = [prompts]
-        counts = [await self._tokenize({"prompt": p}, kind) if isinstance(p, str)
-                  else (len(p), await self._window()) for p in prompts]
-        return max(c for c, _ in counts), counts[0][1]
 
-    async def _window(self) -> int:
-        return (await self._tokenize({"prompt": ""}, "completion"))[1]
+def _is_multimodal(settings: Settings) -> bool:
+    """From settings, else from the model directory's config (a vision or audio tower).
 
-    async def _tokenize(self, payload: dict[str, Any], kind: str) -> tuple[int, int]:
-        payload["model"] = self._engine.model_name
-        try:
-            response = await self._tokenizer.post("/tokenize", json=payload)
-        except httpx.HTTPError as exc:
-            raise self._proxy.unavailable(exc) from exc
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
-        if response.status_code != 200 or not isinstance(data, dict):
-            message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
-            raise BadRequest(message or "the prompt could not be tokenized",
-                             param="messages" if kind == "chat" else "prompt", code="invalid_prompt")
-        return int(data["count"]), int(data["max_model_len"])
+    A model whose config cannot be read is treated as text-only: refusing is the safe side.
+    """
+    setting = settings.policy.multimodal
+    if setting != "auto":
+        return setting == "on"
+    try:
+        config = json.loads((Path(settings.engine.model) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(key in config for key in _MULTIMODAL_KEYS)

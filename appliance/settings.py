@@ -65,6 +65,14 @@ class ServerSettings(_Group):
     upstream_connect_timeout_s: float = Field(2.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0)
     upstream_max_connections: int = Field(256, ge=1)
+    upstream_keepalive_s: float = Field(4.0, gt=0)
+    parse_in_thread_bytes: int = Field(256 * 1024, ge=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    header_timeout_s: float = Field(10.0, gt=0)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_headers: int = Field(100, ge=8)
+    max_connections: int = Field(1024, ge=1)
+    idle_timeout_s: int = Field(30, ge=1)
 
 
 class EngineSettings(_Group):
@@ -117,6 +125,8 @@ class PolicySettings(_Group):
     max_n: int = Field(2, ge=1)
     default_max_tokens: int | None = Field(None, ge=1)
     max_inflight: int = Field(64, ge=1)
+    max_batch_prompts: int = Field(256, ge=1)
+    max_counted_prompts: int = Field(16, ge=1)
     multimodal: Literal["auto", "on", "off"] = "auto"
     max_images: int = Field(4, ge=0)
     max_image_bytes: int = Field(8 * 1024 * 1024, ge=1)
@@ -138,9 +148,13 @@ class SupervisorSettings(_Group):
     backoff_jitter: float = Field(0.2, ge=0, le=1)
     crash_loop_restarts: int = Field(5, ge=1)
     crash_loop_window_s: float = Field(600.0, gt=0)
-    stall_timeout_s: float = Field(30.0, gt=0)
+    boot_poll_s: float = Field(1.0, gt=0)
+    progress_interval_s: float = Field(1.0, gt=0)
+    hang_stall_s: float = Field(5.0, gt=0)
+    hang_cpu_floor: float = Field(0.02, ge=0)
+    hang_busy_floor_s: float = Field(300.0, gt=0)
     canary_timeout_s: float = Field(20.0, gt=0)
-    canary_interval_s: float = Field(60.0, gt=0)
+    canary_interval_s: float = Field(30.0, gt=0)
     gpu_release_timeout_s: float = Field(30.0, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)
 

@@ -24,7 +24,11 @@ class GpuWatch:
         self._last_poll = float("-inf")
 
     def summary(self) -> dict[str, Any]:
-        return self._monitor.summary() | {"gauges": self._monitor.gauges()}
+        return self._monitor.summary()
+
+    def gauges(self) -> dict[str, float]:
+        """Readings for Prometheus, by metric name without the appliance_ prefix."""
+        return self._monitor.gauges()
 
     async def check(self) -> tuple[Action, str]:
         if not self._monitor.available:

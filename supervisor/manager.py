@@ -1,4 +1,9 @@
-"""The engine manager: spawn, probe, declare dead, stop, back off, restart; the state machine."""
+"""The engine manager: spawn, watch, declare dead, stop, back off, restart; the state machine.
+
+starting → ready → stopping → backoff → starting …, `failed` after a crash loop (N restarts in
+a window) or a lost GPU, `draining` then `stopped` on shutdown. What declares a worker dead:
+its exit (seen at once), or the first monitor (supervisor/monitors/) that returns a cause.
+"""
 
 from __future__ import annotations
 
@@ -6,69 +11,41 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import structlog
 
 from appliance.engine import EngineState
 from appliance.settings import Settings
 from supervisor.backoff import Backoff, CrashLoop
-from supervisor.worker import StopReport, describe_exit
+from supervisor.exits import ExitCause, ExitReason, Phase, process_exit
+from supervisor.monitors import Monitor
+from supervisor.worker import Worker
 
 log = structlog.get_logger("supervisor.manager")
-
-Phase = Literal["boot", "running"]
-
-
-class Worker(Protocol):
-    pid: int
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-    def tree_pids(self) -> set[int]: ...
-
-    async def stop(self, grace_s: float) -> StopReport: ...
 
 
 class Launcher(Protocol):
     async def start(self) -> Worker: ...
 
 
-class Prober(Protocol):
-    async def healthy(self) -> bool: ...
-
+class BootProber(Protocol):
     async def serving(self) -> bool: ...
 
     async def canary(self, timeout_s: float) -> bool: ...
 
 
-class GpuWatch(Protocol):
+class GpuMemory(Protocol):
     def summary(self) -> dict[str, Any]: ...
-
-    async def check(self) -> tuple[Literal["none", "restart_worker", "fail"], str]: ...
 
     async def wait_released(self, pids: set[int], timeout_s: float) -> bool: ...
 
 
-@dataclass
-class ExitCause:
-    """Why a worker stopped serving; `phase` tells a boot failure from a crash after ready."""
-
-    phase: Phase
-    reason: str  # exited, unhealthy, hung, gpu, startup_timeout, spawn_failed, stopped
-    detail: str
-    at: float = 0.0  # wall clock, for /health
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 Transition = Callable[[EngineState, EngineState, str], None]
+PhaseTiming = Callable[[str, float], None]
 
 
 class EngineManager:
@@ -78,38 +55,40 @@ class EngineManager:
         self,
         settings: Settings,
         launcher: Launcher,
-        prober: Prober,
+        prober: BootProber,
+        monitors: list[Monitor],
         *,
-        gpu: GpuWatch | None = None,
+        gpu: GpuMemory | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self._settings = settings
-        self._sup = settings.supervisor
+        self._sup = sup = settings.supervisor
         self._launcher = launcher
         self._prober = prober
+        self._monitors = monitors
         self._gpu = gpu
         self._clock = clock
         self._sleep = sleep
-        sup = settings.supervisor
         self._backoff = Backoff(sup.backoff_initial_s, sup.backoff_max_s, sup.backoff_jitter, rand)
         self._crash_loop = CrashLoop(sup.crash_loop_restarts, sup.crash_loop_window_s)
         self._state = EngineState.STOPPED
         self._worker: Worker | None = None
-        self._lost = asyncio.Event()
+        self._lost_callbacks: dict[int, Callable[[], None]] = {}
+        self._next_subscription = 0
         self._wake = asyncio.Event()
         self._stop_requested = False
         self._started_at = clock()
         self._ready_since: float | None = None
-        self._restarts = 0
         self._last_exit: ExitCause | None = None
-        self._in_flight = 0
-        self._last_progress = clock()
+        self._recovery: dict[str, float] | None = None  # clock marks of the restart under way
         self._retry_at: float | None = None
+        self.restart_counts: Counter[str] = Counter()
+        self.transition_counts: Counter[str] = Counter()
         self.last_tick = clock()  # the loop's heartbeat, for the systemd watchdog
         self.listeners: list[Transition] = []
-        self.restart_listeners: list[Callable[[str], None]] = []
+        self.phase_listeners: list[PhaseTiming] = []
 
     # --- EngineView -------------------------------------------------------------------------
 
@@ -135,16 +114,15 @@ class EngineManager:
             return floor
         return max(floor, min(600, round(self._retry_at - self._clock())))
 
-    def lost(self) -> asyncio.Event:
-        return self._lost
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        key = self._next_subscription
+        self._next_subscription += 1
+        self._lost_callbacks[key] = callback
 
-    def note_request(self, delta: int) -> None:
-        if self._in_flight == 0 and delta > 0:
-            self._last_progress = self._clock()  # the stall clock starts with the first request
-        self._in_flight = max(0, self._in_flight + delta)
+        def unsubscribe() -> None:
+            self._lost_callbacks.pop(key, None)
 
-    def note_progress(self) -> None:
-        self._last_progress = self._clock()
+        return unsubscribe
 
     def snapshot(self) -> dict[str, Any]:
         now = self._clock()
@@ -154,8 +132,7 @@ class EngineManager:
             "model": self.model_name,
             "uptime_s": round(now - self._ready_since, 1) if self._ready_since else None,
             "supervisor_uptime_s": round(now - self._started_at, 1),
-            "restarts": self._restarts,
-            "in_flight": self._in_flight,
+            "restarts": self.restarts,
             "last_exit": self._last_exit.as_dict() if self._last_exit else None,
             "gpu": self._gpu.summary() if self._gpu else {"status": "unavailable"},
         }
@@ -164,15 +141,11 @@ class EngineManager:
 
     @property
     def restarts(self) -> int:
-        return self._restarts
+        return sum(self.restart_counts.values())
 
     @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @property
-    def startup_timeout_s(self) -> float:
-        return self._sup.startup_timeout_s
+    def last_exit(self) -> ExitCause | None:
+        return self._last_exit
 
     def loop_is_turning(self) -> bool:
         """False once the manager has gone longer without a pass than any one step may take."""
@@ -181,13 +154,9 @@ class EngineManager:
                         + sup.gpu_release_timeout_s + 30)
         return self._clock() - self.last_tick < max(longest_step, sup.health_interval_s * 3)
 
-    @property
-    def last_exit(self) -> ExitCause | None:
-        return self._last_exit
-
     def begin_drain(self) -> None:
         """Stop admitting: health and new requests answer 503 while in-flight ones finish."""
-        if self._state in (EngineState.READY, EngineState.UNHEALTHY):
+        if self._state is EngineState.READY:
             self._set_state(EngineState.DRAINING, "shutdown requested")
 
     @property
@@ -201,19 +170,16 @@ class EngineManager:
     async def run(self) -> None:
         """Keep a worker serving until request_stop(); returns once the worker is stopped."""
         while not self._stop_requested:
-            now = self._clock()
-            if self._crash_loop.tripped(now):
+            if self._crash_loop.tripped(self._clock()):
                 await self._hold_failed(self._crash_loop.clears_at())
                 continue
             cause = await self._run_worker()
-            if cause.reason == "gpu_fatal":
+            if self.stop_requested:  # the property: a stop may come while the worker ran
+                break
+            if not cause.reason.restartable:
                 await self._hold_failed(None)
                 continue
-            if self.stop_requested:
-                break
-            self._restarts += 1
-            for listener in self.restart_listeners:
-                listener(cause.reason)
+            self.restart_counts[cause.reason.value] += 1
             self._crash_loop.record(self._clock())
             if self._crash_loop.tripped(self._clock()):
                 continue
@@ -228,26 +194,30 @@ class EngineManager:
     async def _run_worker(self) -> ExitCause:
         self._retry_at = None
         self._set_state(EngineState.STARTING, "spawning worker")
+        self._mark("spawned")
         try:
             worker = await self._launcher.start()
         except OSError as exc:
-            return self._record(ExitCause("boot", "spawn_failed", str(exc)))
+            return self._record(ExitCause("boot", ExitReason.SPAWN_FAILED, str(exc)))
         self._worker = worker
-        self._lost = asyncio.Event()
         watcher = asyncio.ensure_future(worker.wait())
         watcher.add_done_callback(lambda _: self._on_exit(worker))
+        for monitor in self._monitors:
+            monitor.reset()
         served_s = 0.0
         try:
             cause = await self._boot(worker)
             if cause is None:
                 self._ready_since = self._clock()
                 self._set_state(EngineState.READY, f"worker {worker.pid} serving")
+                self._recovered()
                 cause = await self._watch(worker)
                 served_s = self._clock() - self._ready_since
         finally:
-            self._lost.set()
+            self._fire_lost()
             self._ready_since = None
-        await self._stop_worker(worker, cause)
+        self._recovery = {"detected": self._clock()}
+        cause = await self._stop_worker(worker, cause)
         watcher.cancel()
         if served_s >= self._sup.backoff_max_s:
             self._backoff.reset()  # it served a good while: this is a fresh failure, not a loop
@@ -256,15 +226,12 @@ class EngineManager:
     def _on_exit(self, worker: Worker) -> None:
         """Runs the moment the worker exits: the API must answer 503 at once, not at next probe."""
         if worker is self._worker and self._state in (EngineState.READY, EngineState.STARTING,
-                                                      EngineState.UNHEALTHY, EngineState.DRAINING):
-            self._lost.set()
-            how = describe_exit(worker.returncode)
+                                                      EngineState.DRAINING):
+            self._fire_lost()
+            phase: Phase = "boot" if self._state is EngineState.STARTING else "running"
             # /health shows the cause at once; the full record follows once the tree is reaped.
-            self._last_exit = (ExitCause("boot", "exited", f"never became ready: {how}", time.time())
-                               if self._state is EngineState.STARTING else
-                               ExitCause("running", "exited", f"crashed after ready: {how}",
-                                         time.time()))
-            self._set_state(EngineState.STOPPING, f"worker exited: {how}")
+            self._last_exit = process_exit(worker.returncode, phase)
+            self._set_state(EngineState.STOPPING, self._last_exit.detail)
         self._wake.set()
 
     async def _boot(self, worker: Worker) -> ExitCause | None:
@@ -272,93 +239,83 @@ class EngineManager:
         deadline = self._clock() + self._sup.startup_timeout_s
         while True:
             if worker.returncode is not None:
-                return ExitCause("boot", "exited", f"never became ready: {describe_exit(worker.returncode)}")
+                return process_exit(worker.returncode, "boot")
             if self._stop_requested:
-                return ExitCause("boot", "stopped", "stop requested while starting")
+                return ExitCause("boot", ExitReason.STOPPED, "stop requested while starting")
             if self._clock() >= deadline:
-                return ExitCause("boot", "startup_timeout",
+                return ExitCause("boot", ExitReason.STARTUP_TIMEOUT,
                                  f"not ready after {self._sup.startup_timeout_s:.0f}s")
             if await self._prober.serving() and await self._prober.canary(self._sup.canary_timeout_s):
                 return None
-            await self._nap(min(1.0, self._sup.health_interval_s))
+            await self._nap(self._sup.boot_poll_s)
 
     async def _watch(self, worker: Worker) -> ExitCause:
-        """Probe until something declares the worker dead; returns why."""
-        failures = 0
-        last_canary = self._clock()
+        """Ask every monitor on each turn until one declares the worker dead; returns why."""
+        tick = min(self._sup.health_interval_s, self._sup.progress_interval_s)
         while True:
             if worker.returncode is not None:
-                detail = f"crashed after ready: {describe_exit(worker.returncode)}"
-                return ExitCause("running", "exited", detail)
+                return process_exit(worker.returncode, "running")
             if self._stop_requested:
-                return ExitCause("running", "stopped", "stop requested")
-            verdict = await self._gpu_verdict()
-            if verdict is not None:
-                return verdict
-            if await self._prober.healthy():
-                failures = 0
-            else:
-                failures += 1
-                log.warning("engine.probe_failed", consecutive=failures, limit=self._sup.health_failures)
-                if failures >= self._sup.health_failures:
-                    return ExitCause("running", "unhealthy", f"{failures} consecutive /health failures")
-            hung = await self._stall_check(last_canary)
-            if hung is not None:
-                return hung
-            if self._clock() - last_canary >= self._sup.canary_interval_s:
-                last_canary = self._clock()
-            await self._nap(self._sup.health_interval_s)
+                return ExitCause("running", ExitReason.STOPPED, "stop requested")
+            for monitor in self._monitors:
+                cause = await monitor.check(worker)
+                if cause is not None:
+                    return cause
+            await self._nap(tick)
 
-    async def _stall_check(self, last_canary: float) -> ExitCause | None:
-        """A stall (in-flight work, no bytes) or an idle canary interval both ask for a decode."""
-        now = self._clock()
-        stalled = self._in_flight > 0 and now - self._last_progress >= self._sup.stall_timeout_s
-        idle_due = self._in_flight == 0 and now - last_canary >= self._sup.canary_interval_s
-        if not (stalled or idle_due):
-            return None
-        if await self._prober.canary(self._sup.canary_timeout_s):
-            self._last_progress = self._clock()
-            return None
-        what = "no bytes from the worker" if stalled else "idle canary"
-        return ExitCause("running", "hung", f"{what} and the 1-token canary failed")
-
-    async def _gpu_verdict(self) -> ExitCause | None:
-        if self._gpu is None:
-            return None
-        action, cause = await self._gpu.check()
-        if action == "restart_worker":
-            return ExitCause("running", "gpu_app_error", cause)
-        if action == "fail":
-            return ExitCause("running", "gpu_fatal", cause)
-        return None
-
-    async def _stop_worker(self, worker: Worker, cause: ExitCause) -> None:
-        self._set_state(EngineState.STOPPING, cause.reason)
+    async def _stop_worker(self, worker: Worker, cause: ExitCause) -> ExitCause:
+        self._set_state(EngineState.STOPPING, cause.reason.value)
         pids = worker.tree_pids() | {worker.pid}
         report = await worker.stop(self._sup.stop_grace_s)
         if report.stragglers:
             log.warning("worker.stragglers_killed", pids=report.stragglers)
         if self._gpu is not None and not await self._gpu.wait_released(
-            pids, self._sup.gpu_release_timeout_s
-        ):
-            cause.reason, cause.detail = "gpu_fatal", (
+                pids, self._sup.gpu_release_timeout_s):
+            return replace(cause, reason=ExitReason.GPU_FATAL, detail=(
                 f"old worker pids {sorted(pids)} still hold GPU memory after "
-                f"{self._sup.gpu_release_timeout_s:.0f}s; not starting a worker that would fail"
-            )
+                f"{self._sup.gpu_release_timeout_s:.0f}s; not starting a worker that would fail"))
+        self._mark("stopped")
+        return cause
 
     def _record(self, cause: ExitCause) -> ExitCause:
-        cause.at = time.time()
         self._last_exit = cause
         event = "engine.boot_failed" if cause.phase == "boot" else "engine.exited"
-        if cause.reason == "stopped":
-            log.info(event, reason=cause.reason, detail=cause.detail)
+        if cause.reason is ExitReason.STOPPED:
+            log.info(event, reason=cause.reason.value, detail=cause.detail)
         else:
-            log.error(event, reason=cause.reason, detail=cause.detail, restarts=self._restarts)
+            log.error(event, reason=cause.reason.value, detail=cause.detail, restarts=self.restarts)
         return cause
+
+    # --- restart timings: detected → stopped → spawned → ready ------------------------------
+
+    def _mark(self, step: str) -> None:
+        if self._recovery is not None:
+            self._recovery[step] = self._clock()
+
+    def _recovered(self) -> None:
+        """The worker is ready: put the recovery's durations on the exit that started it."""
+        marks, self._recovery = self._recovery, None
+        if marks is None or self._last_exit is None or "stopped" not in marks:
+            return
+        ready = self._clock()
+        spawned = marks.get("spawned", marks["stopped"])
+        timings = {"stop_s": marks["stopped"] - marks["detected"],
+                   "backoff_s": spawned - marks["stopped"],
+                   "boot_s": ready - spawned,
+                   "total_s": ready - marks["detected"]}
+        self._last_exit = replace(self._last_exit,
+                                  restart={k: round(v, 3) for k, v in timings.items()})
+        log.info("engine.recovered", **self._last_exit.restart)
+        for listener in self.phase_listeners:
+            for phase, seconds in timings.items():
+                listener(phase.removesuffix("_s"), seconds)
+
+    # --- waiting and states -----------------------------------------------------------------
 
     async def _hold_failed(self, until: float | None) -> None:
         """`failed`: no restart until the crash-loop window clears (or never, for a dead GPU)."""
         self._retry_at = until
+        self._recovery = None
         detail = self._last_exit.detail if self._last_exit else "crash loop"
         self._set_state(EngineState.FAILED, detail)
         while not self._stop_requested and (until is None or self._clock() < until):
@@ -379,11 +336,17 @@ class EngineManager:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
+    def _fire_lost(self) -> None:
+        callbacks, self._lost_callbacks = list(self._lost_callbacks.values()), {}
+        for callback in callbacks:
+            callback()
+
     def _set_state(self, new: EngineState, cause: str) -> None:
         old = self._state
         if old is new:
             return
         self._state = new
+        self.transition_counts[new.value] += 1
         log.info("engine.state", old=old.value, new=new.value, cause=cause)
         for listener in self.listeners:
             listener(old, new, cause)

@@ -10,13 +10,20 @@ from collections.abc import Awaitable, Iterator
 
 import structlog
 import uvicorn
+from prometheus_client import CollectorRegistry
 
+from appliance.admission import Admission
 from appliance.app import create_app
+from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
-from appliance.metrics import Metrics
 from appliance.settings import Settings
+from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.gpuwatch import build_gpu_watch
 from supervisor.manager import EngineManager
+from supervisor.monitors import Monitor
+from supervisor.monitors.gpu import GpuHealthMonitor
+from supervisor.monitors.health import HealthMonitor
+from supervisor.monitors.progress import ProgressMonitor
 from supervisor.probe import HttpProber
 from supervisor.sdnotify import Notifier
 from supervisor.worker import ProcessLauncher
@@ -58,25 +65,38 @@ async def serve(settings: Settings) -> int:
     signals = Signals()
     signals.install(loop)
     notifier = Notifier.from_env()
+    sup, engine = settings.supervisor, settings.engine
 
-    # 1. The engine manager, with its probes and the GPU monitor (absent GPU: probes alone).
-    engine = settings.engine
+    # 1. The engine manager, its monitors and the GPU monitor (absent GPU: probes alone).
     gpu = await build_gpu_watch(settings.gpu)
-    prober = HttpProber(engine.base_url, engine.model_name, settings.supervisor.health_timeout_s)
+    prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
+    progress = ProgressMonitor(prober, sup)
+    monitors: list[Monitor] = [
+        HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures),
+        progress,
+    ]
+    if gpu is not None:
+        monitors.append(GpuHealthMonitor(gpu))
     launcher = ProcessLauncher(engine, settings.policy.allowed_media_hosts)
-    manager = EngineManager(settings, launcher, prober, gpu=gpu)
-    metrics = Metrics(manager)
-    manager.listeners.append(metrics.observe_transition)
+    manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
-    manager.restart_listeners.append(metrics.observe_restart)
 
-    # 2. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
+    # 2. Metrics: the supervisor's facts, read at scrape time, in the registry the API serves.
+    registry = CollectorRegistry()
+    registry.register(SupervisorCollector(manager, progress, gpu))
+    durations = restart_durations(registry)
+    manager.phase_listeners.append(lambda phase, s: durations.labels(phase=phase).observe(s))
+
+    # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_task: asyncio.Task[None] | None = None
-    app = create_app(settings, manager, metrics=metrics,
+    admission = Admission(settings.policy.max_inflight)
+    app = create_app(settings, manager, registry=registry, admission=admission,
                      alive=lambda: manager_task is not None and not manager_task.done())
+    protocol = edge_protocol(settings.server, EdgeMetrics(registry))
     server = _Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
-                                    log_config=None, access_log=False, lifespan="on",
-                                    timeout_keep_alive=30))
+                                    http=protocol, log_config=None, access_log=False,
+                                    lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
+                                    server_header=False))
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):
         log.error("supervisor.api_failed", host=settings.server.host, port=settings.server.port)
@@ -84,25 +104,24 @@ async def serve(settings: Settings) -> int:
     log.info("supervisor.listening", host=settings.server.host, port=settings.server.port)
     notifier.ready(f"API listening on {settings.server.port}; engine starting")
 
-    # 3. The worker, and the watchdog ping that proves this loop still turns.
+    # 4. The worker, and the watchdog ping that proves this loop still turns.
     manager_task = asyncio.create_task(manager.run())
     watchdog = asyncio.create_task(_watchdog(notifier, manager, manager_task, server_task))
 
-    # 4. Run until a signal, or until the API or the manager ends on its own.
+    # 5. Run until a signal, or until the API or the manager ends on its own.
     await _first(signals.first.wait(), manager_task, server_task)
     failed = server_task.done() or manager_task.done()
     log.info("supervisor.stopping", cause="internal failure" if failed else "signal")
     notifier.stopping()
     # READY=1 went out when the API listened, so model loads need no extension; a drain
     # configured longer than the unit's TimeoutStopSec does.
-    sup = settings.supervisor
     notifier.extend_timeout(sup.drain_timeout_s + sup.stop_grace_s + 30)
 
-    # 5. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
+    # 6. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
     manager.begin_drain()
-    await _drain(manager, settings.supervisor.drain_timeout_s, signals.second)
+    await _drain(admission, sup.drain_timeout_s, signals.second)
 
-    # 6. Stop the worker (group SIGTERM, grace, SIGKILL, reap), then the API.
+    # 7. Stop the worker (group SIGTERM, grace, SIGKILL, reap), then the API.
     manager.request_stop()
     with contextlib.suppress(asyncio.CancelledError):
         await manager_task
@@ -111,7 +130,6 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
     await prober.aclose()
-    await metrics.aclose()
     if gpu is not None:
         gpu.close()
     log.info("supervisor.stopped", restarts=manager.restarts)
@@ -141,12 +159,12 @@ async def _first(*awaitables: Awaitable[object]) -> None:
             task.cancel()
 
 
-async def _drain(manager: EngineManager, timeout_s: float, forced: asyncio.Event) -> None:
+async def _drain(admission: Admission, timeout_s: float, forced: asyncio.Event) -> None:
     deadline = time.monotonic() + timeout_s
     # Polled: the in-flight count has no event of its own, and 0.1 s is nothing next to a drain.
-    while manager.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():  # noqa: ASYNC110
+    while admission.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():  # noqa: ASYNC110
         await asyncio.sleep(0.1)
-    log.info("supervisor.drained", left=manager.in_flight, forced=forced.is_set())
+    log.info("supervisor.drained", left=admission.in_flight, forced=forced.is_set())
 
 
 async def _watchdog(notifier: Notifier, manager: EngineManager,

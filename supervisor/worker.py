@@ -9,12 +9,14 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 import structlog
 
 from appliance.settings import EngineSettings
 from supervisor.sdnotify import ENV_VARS
+from supervisor.worker_output import WorkerOutput
 
 log = structlog.get_logger("supervisor.worker")
 
@@ -74,26 +76,26 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
     return env
 
 
-def describe_exit(returncode: int | None) -> str:
-    """'exit 1', 'SIGKILL (out of memory?)', 'running' for a process that had not exited."""
-    if returncode is None:
-        return "running"
-    if returncode >= 0:
-        return f"exit {returncode}"
-    sig = signal.Signals(-returncode)
-    hint = {
-        signal.SIGKILL: " (killed: out of memory, or an operator?)",
-        signal.SIGSEGV: " (crashed in native code)",
-        signal.SIGABRT: " (aborted)",
-    }.get(sig, "")
-    return f"{sig.name}{hint}"
-
-
 @dataclass
 class StopReport:
     returncode: int | None
     escalated: bool  # SIGKILL was needed
     stragglers: list[int]  # pids of the tree still alive after the group signal, killed by pid
+
+
+class Worker(Protocol):
+    """A running worker as the manager and the monitors see it, however it was started."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def tree_pids(self) -> set[int]: ...
+
+    async def stop(self, grace_s: float) -> StopReport: ...
 
 
 class WorkerProcess:
@@ -205,13 +207,16 @@ async def _wait_gone(worker: WorkerProcess, timeout_s: float) -> bool:
 
 
 async def _pump(stream: asyncio.StreamReader, name: str) -> None:
-    """Re-emit the worker's output line by line through structlog, tagged source=worker."""
-    while True:
-        try:
-            line = await stream.readline()
-        except ValueError:  # a line beyond the reader's limit: skip it rather than stall the pipe
-            continue
-        if not line:
-            return
-        log.info("worker.output", source="worker", stream=name,
-                 line=line.decode(errors="replace").rstrip())
+    """Re-emit the worker's output through structlog, tagged source=worker (see worker_output)."""
+    output = WorkerOutput(name)
+    try:
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line beyond the reader's limit: skip it rather than stall
+                continue
+            if not line:
+                return
+            output.line(line.decode(errors="replace").rstrip())
+    finally:
+        output.close()

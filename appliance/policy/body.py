@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
+
+import msgspec
 
 from appliance.errors import BadRequest
 
@@ -13,28 +15,28 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "fun
 # OpenAI lets these roles carry "content": null (an assistant turn made only of tool calls).
 NULLABLE_CONTENT_ROLES = frozenset({"assistant", "function"})
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
+MAX_COUNT = 2**63 - 1  # what the engine can hold; a larger count is a typo, not a request
 
 Check = Callable[[Any, str], None]
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or BadRequest (code invalid_json) saying what is wrong."""
+    """The body as a JSON object, or BadRequest (code invalid_json) saying what is wrong.
+
+    Strict JSON: NaN, Infinity, numbers beyond a double (1e999), invalid UTF-8 and lone
+    surrogates are refused here, so nothing downstream meets a value it cannot encode.
+    """
     if not raw.strip():
         raise _invalid_json("The request body is empty; expected a JSON object.")
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        value = msgspec.json.decode(raw)
     except RecursionError as exc:
         raise _invalid_json("The request body is nested too deeply to parse.") from exc
-    except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno} column {exc.colno}"
-        raise _invalid_json(f"The request body is not valid JSON: {exc.msg} at {where}.") from exc
-    except UnicodeDecodeError as exc:
-        raise _invalid_json("The request body is not valid JSON: it is not UTF-8 text.") from exc
-    except ValueError as exc:  # NaN / Infinity (refused below) and integers too long to convert
-        raise _invalid_json(
-            "The request body is not valid JSON: it holds a number JSON cannot carry "
-            "(NaN, Infinity, or thousands of digits)."
-        ) from exc
+    except msgspec.ValidationError as exc:  # a number out of range: 1e999
+        raise _invalid_json(f"The request body holds a number JSON cannot carry: {exc}.") from exc
+    except msgspec.DecodeError as exc:
+        raise _invalid_json(f"The request body is not valid JSON: {_describe(raw, exc)}.") from exc
     if not isinstance(value, dict):
         raise _invalid_json(f"The request body must be a JSON object, not {_kind(value)}.")
     return value
@@ -66,6 +68,8 @@ def check_count(value: Any, param: str) -> None:
         _bad(f"'{param}' must be an integer, got {_show(value)}.", param, "invalid_type")
     if value < 1:
         _bad(f"'{param}' must be at least 1, got {value}.", param, "invalid_value")
+    if value > MAX_COUNT:
+        _bad(f"'{param}' must be at most {MAX_COUNT}.", param, "invalid_value")
 
 
 def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
@@ -251,8 +255,18 @@ def _is_token(value: Any) -> bool:
     return _is_int(value) and value >= 0
 
 
-def _refuse_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not a JSON number")  # Python's json would accept it
+def _describe(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """msgspec's reason with its byte offset turned into a line and column a person can find."""
+    text = str(exc).removeprefix("JSON is malformed: ")
+    match = _AT_BYTE.search(text)
+    if match is None:
+        if text == "Input data was truncated":
+            return "it ends early, or holds a lone surrogate escape (\\ud800-\\udfff)"
+        return text[0].lower() + text[1:] if text else "malformed"
+    offset = int(match.group(1))
+    line = raw.count(b"\n", 0, offset) + 1
+    column = offset - (raw.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{text[:match.start()].rstrip()} at line {line} column {column}"
 
 
 def _invalid_json(message: str) -> BadRequest:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +10,9 @@ from appliance.errors import BadRequest
 from appliance.policy.body import check_count, truncate_prompt_tokens
 
 CLAMP_HEADER = "X-Max-Tokens-Clamped"
+# The budget fields of each API, the one the engine obeys first.
+CHAT_BUDGET = ("max_completion_tokens", "max_tokens")
+COMPLETION_BUDGET = ("max_tokens",)
 
 
 @dataclass(frozen=True)
@@ -22,27 +25,47 @@ class Clamp:
     defaulted: bool = False  # the budget was the configured default, not the client's
 
 
+def given_budget(body: Mapping[str, Any], fields: Sequence[str]) -> int | None:
+    """The budget the engine will obey (the first field present), checked; None if absent."""
+    for field in fields:
+        value = body.get(field)
+        if value is not None:
+            check_count(value, field)
+            return int(value)
+    return None
+
+
+def apply_default_budget(body: MutableMapping[str, Any], fields: Sequence[str],
+                         default: int | None) -> bool:
+    """Put the configured default in the API's first budget field when the client gave none.
+
+    True when it did: a later clamp of that field reports the default as the source.
+    """
+    if default is None or any(body.get(field) is not None for field in fields):
+        return False
+    body[fields[0]] = default
+    return True
+
+
 def clamp_max_tokens(
     body: MutableMapping[str, Any],
     *,
+    fields: Sequence[str],
     prompt_tokens: int,
     max_model_len: int,
-    default_max_tokens: int | None,
+    defaulted: bool = False,
 ) -> Clamp | None:
-    """Lower max_tokens / max_completion_tokens to the room left, in the body; report it.
+    """Lower every budget field above the room left to the room, in the body; report it.
 
-    A client budget above the room is clamped, not rejected. With none given the configured
-    default is set (clamped the same way); with no default the field stays absent and vLLM
-    uses its own. A prompt that leaves no room is a 400 (context_length_exceeded).
+    A budget above the room is clamped, not rejected; no budget leaves vLLM its own (the
+    room). A prompt that leaves no room is a 400 (context_length_exceeded).
     """
     used = effective_prompt_tokens(body, prompt_tokens, max_model_len)
     room = max_model_len - used
     if room < 1:
         raise _context_exceeded(body, max_model_len, used)
-    given = [field for field in _budget_fields(body) if body.get(field) is not None]
-    if not given:
-        return _apply_default(body, default_max_tokens, room)
-    clamps = [clamp for field in given if (clamp := _clamp_field(body, field, room))]
+    given = [field for field in fields if body.get(field) is not None]
+    clamps = [clamp for field in given if (clamp := _clamp_field(body, field, room, defaulted))]
     # The first is the one vLLM obeys: max_completion_tokens wins over max_tokens.
     return clamps[0] if clamps else None
 
@@ -70,33 +93,14 @@ def header_value(clamp: Clamp) -> str:
     return f"{value}; source=default" if clamp.defaulted else value
 
 
-def _budget_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
-    # Chat takes either name; the completions API knows only max_tokens.
-    if "messages" in body:
-        return ("max_completion_tokens", "max_tokens")
-    return ("max_tokens",)
-
-
-def _clamp_field(body: MutableMapping[str, Any], field: str, room: int) -> Clamp | None:
+def _clamp_field(body: MutableMapping[str, Any], field: str, room: int,
+                 defaulted: bool) -> Clamp | None:
     requested = body[field]
     check_count(requested, field)
     if requested <= room:
         return None
     body[field] = room
-    return Clamp(field=field, requested=requested, applied=room)
-
-
-def _apply_default(
-    body: MutableMapping[str, Any], default_max_tokens: int | None, room: int
-) -> Clamp | None:
-    if default_max_tokens is None:
-        return None
-    field = _budget_fields(body)[0]  # chat's current name, max_completion_tokens
-    applied = min(default_max_tokens, room)
-    body[field] = applied
-    if applied == default_max_tokens:
-        return None
-    return Clamp(field=field, requested=default_max_tokens, applied=applied, defaulted=True)
+    return Clamp(field=field, requested=requested, applied=room, defaulted=defaulted)
 
 
 def _context_exceeded(

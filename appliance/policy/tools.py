@@ -41,14 +41,15 @@ def apply_thinking(
     *,
     default_kwargs: Mapping[str, Any],
     disable_with_tools: bool,
-) -> None:
+) -> bool:
     """Set body["chat_template_kwargs"]: defaults under the client's own, thinking resolved.
 
     The client's chat_template_kwargs win over the configured defaults. A request-level
     `thinking: {"type": "enabled" | "disabled"}` becomes `enable_thinking` and is removed
     (vLLM does not know it). With disable_with_tools, a request with active tools whose client
-    did not choose enable_thinking gets enable_thinking False.
+    did not choose enable_thinking gets enable_thinking False. True when the body changed.
     """
+    before = body.get("chat_template_kwargs")
     client = _client_kwargs(body)
     thinking = _pop_thinking(body)
     if thinking is not None:
@@ -64,6 +65,7 @@ def apply_thinking(
         merged["enable_thinking"] = False
     if merged:
         body["chat_template_kwargs"] = merged
+    return thinking is not None or body.get("chat_template_kwargs") != before
 
 
 def _client_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from appliance.metrics import parse_engine_metrics
+from supervisor.engine_stats import parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance
 
 KEY = "sk-integration-test-key"
@@ -52,7 +52,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 def engine_running(appliance: Appliance) -> float:
     text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text
-    return parse_engine_metrics(text).get("vllm:num_requests_running", 0.0)
+    return parse_engine_stats(text).running
 
 
 def engine_healthy(appliance: Appliance) -> None:

@@ -46,13 +46,11 @@ def engine_core(worker_pid: int) -> psutil.Process:
 
 
 def test_sigstopped_engine_core_is_declared_hung_and_restarted(tmp_path: Path) -> None:
-    """/health stays 200 while EngineCore is stopped: only the stall watch and canary see it."""
-    stall, canary, grace = 5.0, 5.0, 5.0
+    """/health stays 200 while EngineCore is stopped: the engine's own progress (its counters
+    frozen and its CPU time still) tells, within seconds, and the frozen tree is killed."""
+    stall, grace = 5.0, 5.0
     with running_appliance(
-        tmp_path,
-        engine__env='{"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}',
-        supervisor__stall_timeout_s=str(stall), supervisor__canary_timeout_s=str(canary),
-        supervisor__stop_grace_s=str(grace), supervisor__health_interval_s="1",
+        tmp_path, supervisor__hang_stall_s=str(stall), supervisor__stop_grace_s=str(grace),
         supervisor__health_timeout_s="30",
     ) as appliance:
         booted_at = time.monotonic()
@@ -62,19 +60,25 @@ def test_sigstopped_engine_core_is_declared_hung_and_restarted(tmp_path: Path) -
         core = engine_core(old)
         core.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
-        thread.join(stall + canary + grace + 30)
+        while appliance.health().status_code == 200:
+            assert time.monotonic() - stopped_at < 60, "the hang was never declared"
+            time.sleep(0.2)
+        detected_s = time.monotonic() - stopped_at
+        thread.join(grace + 30)
         assert not thread.is_alive(), "the in-flight stream got no terminal answer"
         assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
         detail = appliance.wait_ready()
         recovered_s = time.monotonic() - stopped_at
         assert detail["last_exit"]["reason"] == "hung"  # type: ignore[index]
+        assert "not running" in detail["last_exit"]["detail"]  # type: ignore[index]
         assert detail["pid"] != old
         assert not psutil.pid_exists(core.pid) or core.status() == psutil.STATUS_ZOMBIE
         assert not worker_tree(old)
-        print(f"hang detected and recovered in {recovered_s:.1f} s (cold start {cold_start_s:.1f} s)")
-        # The issue's budget: stall + canary + a cold start (measured above, with slack for a
-        # loaded machine); the frozen worker is killed without waiting its grace.
-        assert recovered_s < stall + canary + 1.5 * cold_start_s + 15
+        print(f"hang declared {detected_s:.1f} s after SIGSTOP, ready again after "
+              f"{recovered_s:.1f} s (cold start {cold_start_s:.1f} s)")
+        # A guard against the old bytes-and-canary watch (30 s + 20 s), with slack for a
+        # loaded machine; the real number is printed and reported.
+        assert detected_s < stall + 15
 
 
 class NotifyListener:

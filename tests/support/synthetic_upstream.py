@@ -26,6 +26,7 @@ class Upstream:
         self.model = model
         self.running = 0
         self.tokenized = 0
+        self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -50,7 +51,8 @@ class Upstream:
                                                                "max_model_len": MAX_MODEL_LEN}]})
         elif path == "/tokenize":
             self.tokenized += 1
-            count = _prompt_tokens(json.loads(body or b"{}"))
+            self.counted.append(json.loads(body or b"{}"))
+            count = _prompt_tokens(self.counted[-1])
             await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
         elif path == "/metrics":
             text = f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
@@ -63,13 +65,16 @@ class Upstream:
         chat = path.endswith("chat/completions")
         budget = request.get("max_completion_tokens") or request.get("max_tokens")
         prompt = _prompt_tokens(request)
-        if isinstance(budget, int) and prompt + budget > MAX_MODEL_LEN:  # as vLLM refuses it
+        # As vLLM 0.32: a budget above the window is refused; one the room cannot hold is
+        # silently cut to the room.
+        if isinstance(budget, int) and (budget > MAX_MODEL_LEN or prompt >= MAX_MODEL_LEN):
             await _json(send, 400, {"error": {
-                "message": f"'max_tokens' or 'max_completion_tokens' is too large: {budget}. "
-                           f"This model's maximum context length is {MAX_MODEL_LEN} tokens and "
-                           f"your request has {prompt} input tokens.",
-                "type": "BadRequestError", "param": None, "code": 400}})
+                "message": f"max_tokens={budget} cannot be greater than "
+                           f"max_model_len={MAX_MODEL_LEN}. Please request fewer output tokens.",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}})
             return
+        if isinstance(budget, int):
+            budget = min(budget, MAX_MODEL_LEN - prompt)
         count = min(self.tokens, budget if isinstance(budget, int) and budget > 0 else self.tokens)
         self.running += 1
         try:

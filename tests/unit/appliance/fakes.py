@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,25 +23,29 @@ class FakeEngine:
     state: EngineState = EngineState.READY
     pid: int | None = 4242
     model_name: str = "synthetic"
-    requests: int = 0
-    progress: int = 0
-    _lost: asyncio.Event = field(default_factory=asyncio.Event)
+    _lost: dict[int, Callable[[], None]] = field(default_factory=dict)
 
     def retry_after_s(self) -> int:
         return 7
 
-    def lost(self) -> asyncio.Event:
-        return self._lost
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        key = id(callback)
+        self._lost[key] = callback
+        return lambda: self._lost.pop(key, None) and None
+
+    def fire_lost(self) -> None:
+        """What the manager does when the worker is declared dead."""
+        callbacks, self._lost = list(self._lost.values()), {}
+        for callback in callbacks:
+            callback()
+
+    @property
+    def watchers(self) -> int:
+        return len(self._lost)
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": self.state.value, "pid": self.pid, "restarts": 0,
                 "gpu": {"status": "unavailable"}}
-
-    def note_request(self, delta: int) -> None:
-        self.requests += delta
-
-    def note_progress(self) -> None:
-        self.progress += 1
 
 
 @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ import pytest
 from appliance.app import create_app
 from appliance.engine import EngineState
 from appliance.settings import Settings
+from tests.support.synthetic_upstream import Upstream
 from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
@@ -78,11 +79,11 @@ async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
                 if line:
                     lines.append(line)
                 if len(lines) == 3:
-                    engine.lost().set()  # what the manager does when the worker is declared dead
+                    engine.fire_lost()
         assert lines[-1] == "data: [DONE]"
-        assert '"code": "engine_lost"' in lines[-2]
+        assert '"code":"engine_lost"' in lines[-2]
         await _eventually(lambda: fake.running == 0)  # the upstream request was closed too
-        assert engine.requests == 0
+        assert engine.watchers == 0  # the relay's subscription went with it
 
 
 async def test_unreachable_worker_is_503_not_500() -> None:
@@ -131,16 +132,34 @@ async def _eventually(condition: object, within_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def _prompts_counted(fake: Upstream) -> list[dict[str, object]]:
+    """The /tokenize calls that counted a request's prompt (not the one-off calibration)."""
+    return [p for p in fake.counted if p.get("prompt") or any(
+        m.get("content") for m in p.get("messages", []))]
+
+
 async def test_budget_that_fits_is_forwarded_without_counting_the_prompt() -> None:
     async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
         response = await client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 100})
         assert response.status_code == 200
         assert "x-max-tokens-clamped" not in response.headers
-        assert fake.tokenized == 0
+        assert _prompts_counted(fake) == []
+
+
+async def test_budget_the_room_cannot_hold_is_clamped_though_the_window_could() -> None:
+    """vLLM silently cuts such a budget; the appliance clamps it visibly (header, metric)."""
+    long = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 2000}
+    async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=long)
+        assert response.status_code == 200, response.text
+        prompt = len(json.dumps(long["messages"])) // 4
+        assert response.headers["x-max-tokens-clamped"] == (
+            f"requested=2000; applied={2048 - prompt}")
+        assert len(_prompts_counted(fake)) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_budget_the_window_cannot_hold_is_clamped_exactly_and_sent_again(
+async def test_budget_the_window_cannot_hold_is_clamped_exactly_before_it_is_sent(
     stream: bool,
 ) -> None:
     body = CHAT | {"max_tokens": 1_000_000, "stream": stream}
@@ -150,7 +169,7 @@ async def test_budget_the_window_cannot_hold_is_clamped_exactly_and_sent_again(
         prompt = len(json.dumps(CHAT["messages"])) // 4  # the fake's own count
         assert response.headers["x-max-tokens-clamped"] == (
             f"requested=1000000; applied={2048 - prompt}")
-        assert fake.tokenized == 1
+        assert len(_prompts_counted(fake)) == 1
 
 
 async def test_default_budget_is_applied_and_clamped_as_a_default() -> None:

@@ -6,13 +6,13 @@ import pytest
 
 from appliance.app import create_app
 from appliance.engine import EngineState
-from appliance.metrics import parse_engine_metrics
 from appliance.settings import Settings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+JSON = {"content-type": "application/json"}
 
 
 async def test_known_sequence_gives_exact_counts() -> None:
@@ -30,7 +30,7 @@ async def test_known_sequence_gives_exact_counts() -> None:
             async with client.stream("POST", chat, json=CHAT | {"stream": True}) as response:
                 assert [line async for line in response.aiter_lines()][-2] == "data: [DONE]"
             assert (await client.post(chat, json=CHAT | {"n": 9})).status_code == 400
-            assert (await client.post(chat, content=b"{oops")).status_code == 400
+            assert (await client.post(chat, content=b"{oops", headers=JSON)).status_code == 400
             assert (await client.post(chat, json=CHAT | {"max_tokens": 10**6})).status_code == 200
             engine.state = EngineState.BACKOFF
             assert (await client.post(chat, json=CHAT)).status_code == 503
@@ -48,13 +48,3 @@ async def test_known_sequence_gives_exact_counts() -> None:
     assert value(text, "appliance_time_to_first_token_seconds_count", **route) == 1
     assert value(text, "appliance_request_duration_seconds_count", **route) == 8
     assert value(text, "appliance_requests_in_flight") == 0
-    assert value(text, "appliance_engine_state", state="ready") == 1
-    assert value(text, "appliance_engine_requests_running") == 0  # re-exported from the worker
-
-
-def test_engine_gauges_are_summed_across_labels() -> None:
-    text = ('# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name="a"} 2.0\n'
-            'vllm:num_requests_running{model_name="b"} 1.0\nvllm:kv_cache_usage_perc{m="a"} 0.25\n'
-            'vllm:num_requests_waiting_by_reason{r="x"} 9\n')
-    assert parse_engine_metrics(text) == {"vllm:num_requests_running": 3.0,
-                                          "vllm:kv_cache_usage_perc": 0.25}

@@ -8,6 +8,7 @@ import pytest
 
 from appliance.errors import Unauthorized
 from appliance.policy import check_bearer
+from appliance.shapes import OPENAI
 
 KEYS = ["sk-first-key", "sk-second-key"]
 
@@ -16,7 +17,7 @@ def refusal(authorization: str | None, keys: list[str]) -> Unauthorized:
     with pytest.raises(Unauthorized) as caught:
         check_bearer(authorization, keys)
     assert (caught.value.status, caught.value.code) == (401, "invalid_api_key")
-    assert caught.value.body()["error"]["type"] == "authentication_error"
+    assert caught.value.kind == "authentication_error"
     return caught.value
 
 
@@ -59,7 +60,7 @@ def test_an_empty_configured_key_never_matches() -> None:
 def test_messages_never_contain_a_key() -> None:
     for authorization in (None, "Bearer sk-wrong-presented"):
         error = refusal(authorization, KEYS)
-        text = str(error.body()) + str(error)
+        text = str(OPENAI.body(error, None)) + str(error)
         assert "sk-" not in text
 
 

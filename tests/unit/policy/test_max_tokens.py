@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from appliance.errors import BadRequest
 from appliance.policy import Clamp, clamp_max_tokens, header_value
-from appliance.policy.max_tokens import effective_prompt_tokens
+from appliance.policy.max_tokens import (
+    CHAT_BUDGET,
+    COMPLETION_BUDGET,
+    apply_default_budget,
+    effective_prompt_tokens,
+)
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -22,7 +27,11 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 def clamp(body: dict[str, Any], prompt: int, window: int = 1000, default: int | None = None) -> Clamp | None:
-    return clamp_max_tokens(body, prompt_tokens=prompt, max_model_len=window, default_max_tokens=default)
+    """The gate's order: the default goes in first, then the budget is fitted to the room."""
+    fields = CHAT_BUDGET if "messages" in body else COMPLETION_BUDGET
+    defaulted = apply_default_budget(body, fields, default)
+    return clamp_max_tokens(body, fields=fields, prompt_tokens=prompt, max_model_len=window,
+                            defaulted=defaulted)
 
 
 def refusal(body: dict[str, Any], prompt: int, window: int = 1000) -> BadRequest:

@@ -21,6 +21,8 @@ from appliance.policy import (
     validate_chat,
     validate_completion,
 )
+from appliance.policy.max_tokens import CHAT_BUDGET, apply_default_budget
+from appliance.shapes import OPENAI
 
 KNOWN_KEYS = [
     "model",
@@ -103,7 +105,7 @@ def assert_client_error(call: Callable[[], object]) -> None:
     except ApiError as exc:
         assert exc.status < 500
         assert exc.code
-        json.dumps(exc.body())
+        json.dumps(OPENAI.body(exc, None))
 
 
 @settings(max_examples=200, deadline=None)
@@ -163,7 +165,8 @@ def run_rules(body: dict[str, Any]) -> None:
         max_image_bytes=64,
         allowed_hosts=["img.example"],
     )
-    clamp_max_tokens(body, prompt_tokens=10, max_model_len=64, default_max_tokens=32)
+    defaulted = apply_default_budget(body, CHAT_BUDGET, 32)
+    clamp_max_tokens(body, fields=CHAT_BUDGET, prompt_tokens=10, max_model_len=64, defaulted=defaulted)
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,8 +12,13 @@ import pytest
 
 from appliance.engine import EngineState
 from appliance.settings import Settings
+from supervisor.engine_stats import EngineStats
 from supervisor.manager import EngineManager
-from supervisor.worker import StopReport
+from supervisor.monitors import Monitor
+from supervisor.monitors.gpu import GpuHealthMonitor
+from supervisor.monitors.health import HealthMonitor
+from supervisor.monitors.progress import Activity, ProgressMonitor
+from supervisor.worker import StopReport, Worker
 
 pytestmark = pytest.mark.anyio
 
@@ -38,6 +43,10 @@ class FakeWorker:
     decodes: bool = True
     returncode: int | None = None
     stopped_with: float | None = None
+    busy: bool = False  # requests in the engine
+    steps: int = 0  # the engine's progress counter
+    cpu: float = 0.0  # CPU seconds its engine processes used: still when stopped or deadlocked
+    last_cpu: float = 0.0
     _exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self) -> int:
@@ -97,12 +106,35 @@ class FakeProber:
         worker = self._live()
         return bool(worker and worker.boots and worker.decodes)
 
+    async def engine_stats(self) -> EngineStats | None:
+        worker = self._live()
+        if worker is None:
+            return None
+        return EngineStats(running=1.0 if worker.busy else 0.0, iterations=float(worker.steps))
 
-def make_manager(launcher: FakeLauncher, clock: FakeClock, **supervisor: float) -> EngineManager:
+
+def engine_activity(worker: Worker) -> Activity:
+    """A fake engine whose CPU time the test drives; busy threads whenever it moved."""
+    assert isinstance(worker, FakeWorker)
+    runnable = int(worker.cpu != worker.last_cpu)
+    worker.last_cpu = worker.cpu
+    return Activity(worker.cpu, runnable)
+
+
+def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | None = None,
+                 **supervisor: float) -> EngineManager:
     settings = Settings(supervisor={"backoff_jitter": 0, "backoff_initial_s": 1,
                                     "backoff_max_s": 8, **supervisor})
-    return EngineManager(settings, launcher, FakeProber(launcher), clock=clock,
-                         sleep=clock.sleep, rand=lambda: 0.5)
+    prober, sup = FakeProber(launcher), settings.supervisor
+    monitors: list[Monitor] = [
+        HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
+                      clock=clock),
+        ProgressMonitor(prober, sup, activity=engine_activity, clock=clock),
+    ]
+    if gpu is not None:
+        monitors.append(GpuHealthMonitor(gpu))  # type: ignore[arg-type]
+    return EngineManager(settings, launcher, prober, monitors, gpu=gpu,  # type: ignore[arg-type]
+                         clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
 
 
 async def until(condition: Callable[[], bool], turns: int = 5000) -> None:
@@ -132,14 +164,15 @@ async def test_crash_after_ready_is_seen_at_once_then_restarted() -> None:
     manager = make_manager(launcher, clock, health_interval_s=30)
     task = asyncio.create_task(manager.run())
     await until(lambda: manager.state is EngineState.READY)
-    lost = manager.lost()
+    lost: list[str] = []
+    manager.on_lost(lambda: lost.append("lost"))
     causes: list[str] = []
     manager.listeners.append(lambda old, new, cause: causes.append(f"{new.value}: {cause}"))
     launcher.current.exit(-signal.SIGKILL)
     await until(lambda: bool(causes), turns=10)
     # The exit callback flips the state itself, not the next probe of the watch loop.
-    assert causes[0].startswith("stopping: worker exited: SIGKILL")
-    assert lost.is_set()
+    assert causes[0].startswith("stopping: crashed after ready: SIGKILL")
+    assert lost == ["lost"]
     await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
     last = manager.snapshot()["last_exit"]
     assert (last["phase"], last["reason"]) == ("running", "exited")
@@ -224,32 +257,53 @@ async def test_consecutive_health_failures_restart_the_worker() -> None:
     await task
 
 
-async def test_stall_with_failed_canary_is_declared_hung() -> None:
+async def test_a_busy_engine_that_stops_running_is_declared_hung_and_restarted() -> None:
     clock, launcher = FakeClock(), FakeLauncher()
-    manager = make_manager(launcher, clock, stall_timeout_s=10, canary_interval_s=10_000)
+    manager = make_manager(launcher, clock, hang_stall_s=5, canary_interval_s=10_000)
     task = asyncio.create_task(manager.run())
     await until(lambda: manager.state is EngineState.READY)
-    manager.note_request(+1)
-    launcher.current.decodes = False  # /health stays 200: only the canary can tell
+    launcher.current.busy = True  # and its CPU stands still, as under SIGSTOP; /health stays 200
+    frozen_at = clock.now
     await until(lambda: manager.pid == 110)
     assert manager.last_exit is not None and manager.last_exit.reason == "hung"
-    manager.note_request(-1)
+    assert "not running" in manager.last_exit.detail
+    assert clock.now - frozen_at <= 5 + 2  # the stall window plus a sampling interval or two
     manager.request_stop()
     await task
 
 
-async def test_progress_keeps_a_busy_worker_alive() -> None:
+async def test_a_busy_engine_burning_cpu_without_progress_is_not_hung_for_a_long_prefill() -> None:
     clock, launcher = FakeClock(), FakeLauncher()
-    manager = make_manager(launcher, clock, stall_timeout_s=10, canary_interval_s=10_000)
+    manager = make_manager(launcher, clock, hang_stall_s=5, hang_busy_floor_s=300,
+                           canary_interval_s=10_000)
     task = asyncio.create_task(manager.run())
     await until(lambda: manager.state is EngineState.READY)
-    manager.note_request(+1)
-    launcher.current.decodes = False
+    worker = launcher.current
+    worker.busy, worker.decodes = True, False  # a canary would queue behind the prefill
     start = clock.now
-    while clock.now - start < 100:
-        manager.note_progress()
+    while clock.now - start < 250:  # a 250 s prefill: counters still, CPU busy
+        worker.cpu += 0.1
         await asyncio.sleep(0)
     assert manager.pid == 100 and manager.state is EngineState.READY
+    manager.request_stop()
+    await task
+
+
+async def test_restart_timings_are_on_the_exit_and_reported_by_phase() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_interval_s=30)
+    phases: dict[str, float] = {}
+    manager.phase_listeners.append(lambda phase, seconds: phases.__setitem__(phase, seconds))
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
+    restart = manager.snapshot()["last_exit"]["restart"]
+    assert set(restart) == {"stop_s", "backoff_s", "boot_s", "total_s"}
+    assert restart["backoff_s"] == 1.0  # the first backoff step, on the fake clock
+    assert restart["total_s"] == pytest.approx(
+        restart["stop_s"] + restart["backoff_s"] + restart["boot_s"])
+    assert set(phases) == {"stop", "backoff", "boot", "total"}
     manager.request_stop()
     await task
 
@@ -276,9 +330,7 @@ class FakeGpu:
 
 
 def make_gpu_manager(launcher: FakeLauncher, clock: FakeClock, gpu: FakeGpu) -> EngineManager:
-    settings = Settings(supervisor={"backoff_jitter": 0})
-    return EngineManager(settings, launcher, FakeProber(launcher), gpu=gpu,  # type: ignore[arg-type]
-                         clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
+    return make_manager(launcher, clock, gpu=gpu)
 
 
 async def test_application_xid_restarts_the_worker_and_waits_for_its_memory() -> None:

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from appliance.settings import EngineSettings
-from supervisor.worker import ProcessLauncher, build_command, describe_exit, session_members
+from supervisor.exits import describe_exit
+from supervisor.worker import ProcessLauncher, build_command, session_members
 
 pytestmark = pytest.mark.anyio
 
@@ -46,6 +47,10 @@ async def test_frozen_worker_is_killed_without_waiting_the_grace() -> None:
     worker, pids = await start_tree()
     for pid in pids:
         psutil.Process(pid).suspend()
+    deadline = time.monotonic() + 10  # SIGSTOP lands once the process is scheduled: on a
+    while any(psutil.Process(pid).status() != psutil.STATUS_STOPPED for pid in pids):  # busy box, later
+        assert time.monotonic() < deadline, "SIGSTOP never took effect"
+        await asyncio.sleep(0.01)
     started = time.monotonic()
     report = await worker.stop(grace_s=30)  # type: ignore[attr-defined]
     assert time.monotonic() - started < 10

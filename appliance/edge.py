@@ -1,0 +1,144 @@
+"""The connection edge: bounded connections, bounded time and size for a request's head.
+
+uvicorn (httptools) accepts headers of any size and count and keeps a connection that sends
+nothing open forever. This protocol adds, per connection:
+- a cap on open connections: beyond it a new connection gets 503 and is closed at once;
+- a deadline for the request head (request line and headers), from the moment the connection
+  opens or the next request's first byte: a silent or slow-loris client is closed (408);
+  between requests, uvicorn's keep-alive timeout (server.idle_timeout_s) closes idle ones;
+- limits on the head's bytes and header count, checked as bytes arrive: 431 and close.
+The request body is read by the route, within server.body_timeout_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from appliance.settings import ServerSettings
+
+log = structlog.get_logger("appliance.edge")
+
+class _Refused(Exception):
+    """Raised from a parser callback once the connection was refused: stops the parse."""
+
+
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+
+
+class EdgeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.open = Gauge("appliance_connections_open", "Client connections open now.",
+                          registry=registry)
+        self.closed = Counter("appliance_connections_closed",
+                              "Connections the edge closed, by reason.", ["reason"],
+                              registry=registry)
+
+
+def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpToolsProtocol]:
+    """An httptools protocol class with this appliance's limits bound in."""
+
+    class EdgeProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_timer: asyncio.TimerHandle | None = None
+            self._head_bytes = 0
+            self._header_count = 0
+            self._in_head = True  # between requests or inside a request's head
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            metrics.open.set(len(self.connections))
+            if len(self.connections) > server.max_connections:
+                self._refuse(503, "too many connections; retry shortly", "over_capacity",
+                             retry_after=True)
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+            metrics.open.set(len(self.connections))
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            super().data_received(data)
+            # Counted after parsing: a chunk that completed the head may carry body bytes too.
+            # The parser holds at most the limit plus one read's worth of an unfinished head.
+            if self._in_head and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > server.max_header_bytes:
+                    self._refuse(431, "request head too large (setting server.max_header_bytes)",
+                                 "head_too_large")
+
+        def on_message_begin(self) -> None:
+            self._in_head, self._header_count = True, 0
+            if self._head_timer is None:  # the next request on a kept-alive connection
+                self._arm_head_timer()
+            super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > server.max_headers:
+                self._refuse(431, "too many headers (setting server.max_headers)",
+                             "too_many_headers")
+                raise _Refused
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            if not self.transport.is_closing():  # not after our own refusal stopped the parse
+                super().send_400_response(msg)
+
+        def on_headers_complete(self) -> None:
+            if self.transport.is_closing():
+                return
+            self._in_head, self._head_bytes = False, 0
+            self._disarm_head_timer()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)
+            self._in_head = True
+
+        def _arm_head_timer(self) -> None:
+            self._disarm_head_timer()
+            self._head_timer = self.loop.call_later(server.header_timeout_s, self._head_timeout)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._head_bytes == 0:  # a connection that never said anything
+                metrics.closed.labels(reason="silent").inc()
+                self.transport.close()
+                return
+            self._refuse(408, "the request head did not arrive in time "
+                              "(setting server.header_timeout_s)", "header_timeout")
+
+        def _refuse(self, status: int, message: str, reason: str,
+                    retry_after: bool = False) -> None:
+            metrics.closed.labels(reason=reason).inc()
+            if self.transport.is_closing():
+                return
+            log.info("edge.refused", status=status, reason=reason, client=self.client)
+            body = msgspec.json.encode({"error": {
+                "message": message, "type": "invalid_request_error" if status < 500
+                else "service_unavailable", "param": None, "code": reason}})
+            head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n"
+                    + ("retry-after: 1\r\n" if retry_after else "") + "\r\n")
+            self.transport.write(head.encode("ascii") + body)
+            self.transport.close()
+            self._disarm_head_timer()
+
+    return EdgeProtocol

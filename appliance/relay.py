@@ -1,0 +1,189 @@
+"""One generation request from admission to its last byte, as the ASGI app its handler returns.
+
+The Relay is the single owner of everything a request holds: its admission slot, its upstream
+exchange and its watch (client gone, engine lost), all released by leaving one `async with`.
+It answers every outcome itself, in the route's error shape: before the head a plain error
+answer, after it the protocol's own stream ending, so no request is left without an end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+from litestar.types import Message, Receive, Scope, Send
+
+from appliance.admission import Admission
+from appliance.engine import EngineView
+from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
+from appliance.gate import Gate, Vetted
+from appliance.metrics import RequestMetrics
+from appliance.shapes import ErrorShape, encode, upstream_error
+from appliance.upstream import Reply, Upstream
+
+log = structlog.get_logger("appliance.relay")
+
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(frozen=True)
+class RelayDeps:
+    """What every relay needs, built once per app."""
+
+    engine: EngineView
+    admission: Admission
+    gate: Gate
+    upstream: Upstream
+    metrics: RequestMetrics
+
+
+class Watch:
+    """Cancels the owning task when the client disconnects or the engine is lost; says which."""
+
+    def __init__(self, receive: Receive, engine: EngineView) -> None:
+        self._receive = receive
+        self._engine = engine
+        self.reason: str | None = None
+        self._armed = False
+
+    def __enter__(self) -> Watch:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._armed = True
+        self._listener = asyncio.ensure_future(self._listen())
+        self._unsubscribe = self._engine.on_lost(lambda: self._fire("engine_lost"))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.disarm()
+        self._listener.cancel()
+        self._unsubscribe()
+
+    def disarm(self) -> None:
+        """No cancellation from here on: the answer is complete or being completed."""
+        self._armed = False
+
+    async def _listen(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._fire("client_disconnected")
+
+    def _fire(self, reason: str) -> None:
+        if self._armed and self.reason is None:
+            self.reason = reason
+            self._task.cancel()
+
+
+class Relay:
+    """The ASGI answer to one vetted generation request."""
+
+    def __init__(self, vetted: Vetted, deps: RelayDeps, request_id: str,
+                 forward: dict[str, str]) -> None:
+        self._vetted = vetted
+        self._deps = deps
+        self._request_id = request_id
+        self._forward = forward  # request headers passed on to the worker
+        self._shape: ErrorShape = vetted.api.shape
+        self._started = False  # the head has gone to the client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deps = self._deps
+        self._route = str(scope.get("path_template") or scope["path"])
+        watch = Watch(receive, deps.engine)
+        try:
+            with watch:
+                async with deps.admission.slot():
+                    await deps.gate.fit_budget(self._vetted)
+                    await self._exchange(send, watch)
+        except asyncio.CancelledError:
+            if watch.reason is None or (task := asyncio.current_task()) is None:
+                raise
+            task.uncancel()
+            await self._interrupted(send, watch.reason)
+        except ApiError as error:
+            await self._fail(send, error)
+        except Exception as exc:  # a bug of ours: one log line with the traceback, a 500
+            deps.metrics.unhandled(self._route, exc)
+            await self._fail(send, InternalError("internal error; the request id is in the "
+                                                 "appliance's log", code="internal_error"))
+
+    async def _exchange(self, send: Send, watch: Watch) -> None:
+        vetted, deps = self._vetted, self._deps
+        headers = {"content-type": "application/json", "x-request-id": self._request_id,
+                   **self._forward}
+        async with deps.upstream.exchange("POST", vetted.api.path, vetted.body(), headers) as reply:
+            if reply.status >= 300:
+                raise upstream_error(reply.status, await reply.read())
+            if vetted.stream:
+                await self._stream(send, reply, watch)
+            else:
+                body = await reply.read()
+                await self._head(send, reply)
+                watch.disarm()
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _stream(self, send: Send, reply: Reply, watch: Watch) -> None:
+        started = time.perf_counter()
+        await self._head(send, reply)
+        first = True
+        async for chunk in reply.chunks():
+            if first:
+                self._deps.metrics.first_token(self._route, time.perf_counter() - started)
+                first = False
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        watch.disarm()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _head(self, send: Send, reply: Reply) -> None:
+        headers = reply.headers | self._vetted.headers
+        if self._vetted.stream:
+            headers["cache-control"] = "no-cache"
+        headers["x-request-id"] = self._request_id
+        self._started = True
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": _encode_headers(headers)})
+
+    async def _interrupted(self, send: Send, reason: str) -> None:
+        if reason == "client_disconnected":
+            self._deps.metrics.disconnected(self._vetted.stream)
+            log.info("request.client_disconnected", stream=self._vetted.stream)
+            return  # nobody is listening; leaving the exchange closed the upstream
+        retry_after_s = self._deps.engine.retry_after_s()
+        # Before the head the client got nothing: the engine was unavailable to it.
+        await self._fail(send, engine_lost(retry_after_s) if self._started
+                         else engine_unavailable("restarting", retry_after_s))
+
+    async def _fail(self, send: Send, error: ApiError) -> None:
+        """The error as the answer, or as the stream's last event if the head already went."""
+        self._deps.metrics.rejected(error)
+        if error.status >= 500:
+            log.warning("request.failed", status=error.status, code=error.code,
+                        detail=error.message[:200], streaming=self._started)
+        else:
+            log.info("request.rejected", status=error.status, code=error.code, param=error.param,
+                     reason=error.reason)
+        try:
+            if self._started:
+                await send({"type": "http.response.body", "body": self._shape.stream_end(error),
+                            "more_body": False})
+                return
+            await send_error(send, self._shape, error, self._request_id)
+        except OSError:
+            log.info("request.client_gone_before_error")  # nothing left to tell anyone
+
+
+async def send_error(send: Send, shape: ErrorShape, error: ApiError, request_id: str) -> None:
+    headers = [_JSON, (b"x-request-id", request_id.encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
+    start: Message = {"type": "http.response.start", "status": error.status, "headers": headers}
+    await send(start)
+    await send({"type": "http.response.body", "body": encode(shape, error, request_id),
+                "more_body": False})
+
+
+def _encode_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+

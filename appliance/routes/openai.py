@@ -1,0 +1,94 @@
+"""The OpenAI-protocol routes: generation through the gate and the relay, and the model list."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath
+from litestar.types import ASGIApp
+
+from appliance.apis import CHAT, COMPLETION, GenerationApi
+from appliance.context import REQUEST_ID
+from appliance.engine import require_ready
+from appliance.errors import BadRequest, NotFound, RequestTimeout, engine_unavailable
+from appliance.relay import Relay, RelayDeps
+from appliance.settings import ServerSettings
+from appliance.upstream import Upstream
+
+# Request headers the worker should see: tracing context, so vLLM continues the client's trace.
+_FORWARDED = ("traceparent", "tracestate")
+
+
+@dataclass(frozen=True)
+class RouteDeps:
+    relay: RelayDeps
+    server: ServerSettings
+
+
+def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
+    return [
+        generation("/v1/chat/completions", CHAT, deps),
+        generation("/v1/completions", COMPLETION, deps),
+        *model_routes(deps.relay.upstream, deps.relay),
+    ]
+
+
+def generation(path: str, api: GenerationApi, deps: RouteDeps) -> HTTPRouteHandler:
+    """A generation route: engine ready, JSON body read in bounded time, vetted, relayed."""
+    relay, server = deps.relay, deps.server
+
+    async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
+        require_ready(relay.engine)
+        raw = await read_json_body(request, server.body_timeout_s)
+        vetted = await relay.gate.vet(raw, api)
+        forward = {name: value for name in _FORWARDED if (value := request.headers.get(name))}
+        return Relay(vetted, relay, request.headers[REQUEST_ID], forward)
+
+    return post(path, name=api.name, opt={"shape": api.shape}, status_code=200)(handle)
+
+
+def model_routes(upstream: Upstream, relay: RelayDeps) -> list[HTTPRouteHandler]:
+    @get("/v1/models", name="models")
+    async def models() -> Response[Any]:
+        require_ready(relay.engine)
+        return Response(content=await _models(upstream, relay))
+
+    @get("/v1/models/{model:path}", name="model")
+    async def model(model: FromPath[str]) -> Response[Any]:
+        require_ready(relay.engine)
+        wanted = model.lstrip("/")
+        for entry in (await _models(upstream, relay))["data"]:
+            if entry.get("id") == wanted:
+                return Response(content=entry)
+        raise NotFound(f"The model '{wanted}' does not exist.", param="model",
+                       code="model_not_found")
+
+    return [models, model]
+
+
+async def read_json_body(request: Request[Any, Any, Any], timeout_s: float) -> bytes:
+    """The whole body, within `timeout_s` of the headers; JSON only, as vLLM requires."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise BadRequest("Unsupported Media Type: only 'application/json' is accepted.",
+                         code="unsupported_media_type")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.body()
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s",
+                             code="body_timeout") from exc
+
+
+async def _models(upstream: Upstream, relay: RelayDeps) -> dict[str, Any]:
+    """The worker's model list without what the LAN need not see (the model's path on disk)."""
+    status, data = await upstream.call("GET", "/v1/models")
+    if status != 200 or not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise engine_unavailable("not answering", relay.engine.retry_after_s())
+    entries = [{k: v for k, v in entry.items() if k != "root"} | {"root": entry.get("id")}
+               for entry in data["data"] if isinstance(entry, dict)]
+    return {"object": "list", "data": entries}

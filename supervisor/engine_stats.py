@@ -1,0 +1,47 @@
+"""The worker's own Prometheus counters and gauges that tell whether it is busy and progressing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)", re.M)
+_WANTED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:iteration_tokens_total_count": "iterations",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    iterations: float = 0.0
+    preemptions: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.running + self.waiting > 0
+
+    @property
+    def progress(self) -> tuple[float, float, float, float]:
+        """Counters that move whenever the engine finishes a step."""
+        return (self.prompt_tokens, self.generation_tokens, self.iterations, self.preemptions)
+
+
+def parse_engine_stats(text: str) -> EngineStats:
+    """Sum the worker's samples of each series we read (one per model/engine label)."""
+    found: dict[str, float] = {}
+    for match in _SAMPLE.finditer(text):
+        field = _WANTED.get(match.group(1))
+        if field is not None:
+            found[field] = found.get(field, 0.0) + float(match.group(3))
+    return EngineStats(**found)

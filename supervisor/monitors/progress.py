@@ -1,0 +1,191 @@
+"""Hang detection from the engine's own progress, never from silence on client streams.
+
+A busy engine is not a hung engine. Measured on vLLM 0.32 (CPU): while one long prompt is
+prefilled (8k tokens, 30-125 s here) the worker's counters of prompt tokens, generation tokens
+and iterations do not move at all, since stats are recorded only when a step yields output;
+what does move is the engine processes' CPU time. So the verdicts are:
+
+- fast: busy, no counter has moved for `hang_stall_s`, the engine processes (the worker's tree
+  without its API server) used less than `hang_cpu_floor` of a core meanwhile, and not one of
+  their threads was seen runnable in any sample: the engine is not running at all (stopped,
+  deadlocked): hung, within seconds. A starved engine on a loaded machine (measured here:
+  0.5 tokens/s, 0.03 s of CPU in 5 s, with five engines on two cores) has runnable threads
+  waiting for a core, so it is never mistaken for a stopped one;
+- slow: busy and still no counter movement after 3x the longest step this appliance has seen
+  complete (at least `hang_busy_floor_s`): running but getting nowhere (a loop, a wedged GPU);
+- idle: nothing to do for `canary_interval_s`: a 1-token canary must answer in time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import psutil
+import structlog
+
+from appliance.settings import SupervisorSettings
+from supervisor.engine_stats import EngineStats
+from supervisor.exits import ExitCause, ExitReason
+from supervisor.worker import Worker, session_members
+
+log = structlog.get_logger("supervisor.monitors.progress")
+
+_MEMBERS_REFRESH_S = 10.0
+
+
+class ProgressProber(Protocol):
+    async def engine_stats(self) -> EngineStats | None: ...
+
+    async def canary(self, timeout_s: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Activity:
+    cpu_s: float  # CPU seconds the engine processes used so far
+    runnable: int  # their threads running or waiting for a core (or in uninterruptible I/O)
+
+
+class EngineActivity:
+    """What a worker's engine processes (its tree minus its server) are doing, from /proc."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._leader: int | None = None
+        self._members: list[psutil.Process] = []
+        self._refreshed = float("-inf")
+
+    def __call__(self, worker: Worker) -> Activity | None:
+        """None when the set of processes changed since the last call (deltas would lie)."""
+        changed = False
+        if worker.pid != self._leader or self._clock() - self._refreshed >= _MEMBERS_REFRESH_S:
+            members = [p for p in session_members(worker.pid) if p.pid != worker.pid]
+            changed = {p.pid for p in members} != {p.pid for p in self._members} \
+                or worker.pid != self._leader
+            self._leader, self._members, self._refreshed = worker.pid, members, self._clock()
+        total, runnable = 0.0, 0
+        for proc in self._members:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                self._refreshed = float("-inf")  # one ended: rescan next time
+                return None
+            total += times.user + times.system
+            runnable += _runnable_threads(proc.pid)
+        return None if changed else Activity(total, runnable)
+
+
+def _runnable_threads(pid: int) -> int:
+    """Threads of `pid` in state R (running or runnable) or D (in I/O): doing work."""
+    count = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # "tid (comm) S ...": the state follows the last ')', since comm may hold spaces.
+        state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+        count += state in (b"R", b"D")
+    return count
+
+
+class ProgressMonitor:
+    name = "progress"
+
+    def __init__(self, prober: ProgressProber, settings: SupervisorSettings, *,
+                 activity: Callable[[Worker], Activity | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._prober = prober
+        self._sup = settings
+        self._clock = clock
+        self._activity = activity or EngineActivity(clock)
+        self.stats: EngineStats | None = None  # the last reading, for /metrics
+        self.longest_step_s = 0.0  # the longest busy stretch without counter movement that ended well
+        self.reset()
+
+    def reset(self) -> None:
+        now = self._clock()
+        self.stats = None
+        self._due = now
+        self._counters: tuple[float, ...] | None = None
+        self._last_progress = now
+        self._last_canary = now
+        self._samples: deque[tuple[float, Activity]] = deque()
+
+    async def check(self, worker: Worker) -> ExitCause | None:
+        now = self._clock()
+        if now < self._due:
+            return None
+        self._due = now + self._sup.progress_interval_s
+        stats = await self._prober.engine_stats()
+        self._sample(now, self._activity(worker))
+        if stats is None:
+            return None  # the worker did not answer: the health monitor's call to make
+        self.stats = stats
+        if not stats.busy:
+            self._counters, self._last_progress = stats.progress, now
+            return await self._idle_canary(now)
+        if stats.progress != self._counters:
+            stretch = now - self._last_progress
+            if self._counters is not None:
+                self.longest_step_s = max(self.longest_step_s, stretch)
+            self._counters, self._last_progress = stats.progress, now
+            return None
+        return self._verdict(now)
+
+    def _verdict(self, now: float) -> ExitCause | None:
+        sup = self._sup
+        stalled = now - self._last_progress
+        used = self._idle_cpu_since(now - sup.hang_stall_s)
+        if stalled >= sup.hang_stall_s and used is not None \
+                and used < sup.hang_cpu_floor * sup.hang_stall_s:
+            return ExitCause("running", ExitReason.HUNG,
+                             f"busy with no progress for {stalled:.1f}s and the engine used "
+                             f"{used:.2f}s of CPU in the last {sup.hang_stall_s:g}s: not running")
+        bound = max(sup.hang_busy_floor_s, 3 * self.longest_step_s)
+        if stalled >= bound:
+            return ExitCause("running", ExitReason.HUNG,
+                             f"busy and running with no progress for {stalled:.0f}s, over 3x "
+                             f"the longest step seen ({self.longest_step_s:.0f}s)")
+        return None
+
+    async def _idle_canary(self, now: float) -> ExitCause | None:
+        if now - self._last_canary < self._sup.canary_interval_s:
+            return None
+        self._last_canary = now
+        if await self._prober.canary(self._sup.canary_timeout_s):
+            return None
+        return ExitCause("running", ExitReason.HUNG,
+                         f"idle, and a 1-token canary did not answer in {self._sup.canary_timeout_s:g}s")
+
+    def _sample(self, now: float, activity: Activity | None) -> None:
+        if activity is None:
+            self._samples.clear()  # the process set changed: earlier samples do not compare
+            return
+        self._samples.append((now, activity))
+        horizon = now - 2 * self._sup.hang_stall_s - self._sup.progress_interval_s
+        while len(self._samples) > 2 and self._samples[1][0] <= horizon:
+            self._samples.popleft()
+
+    def _idle_cpu_since(self, start: float) -> float | None:
+        """CPU seconds used from the last sample at or before `start` to the newest one, if
+        no sample in between saw a runnable thread; None when the window is not covered or
+        the engine was seen working."""
+        base = None
+        for at, activity in self._samples:
+            if at <= start:
+                base = activity.cpu_s
+            elif activity.runnable:
+                return None
+        if base is None:
+            return None
+        return self._samples[-1][1].cpu_s - base

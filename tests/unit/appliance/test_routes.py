@@ -1,0 +1,67 @@
+"""Every route answers to the rules declared on its router: a new route cannot ship open."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from litestar import Litestar
+
+from appliance.app import create_app
+from appliance.settings import Settings
+from tests.unit.appliance.fakes import FakeEngine
+
+pytestmark = pytest.mark.anyio
+KEY = "sk-routes-test-key"
+OPEN_ALWAYS = {"/livez"}
+OPS = {"/health", "/metrics"}
+
+
+def every_route(app: Litestar) -> list[tuple[str, str]]:
+    """(method, concrete path) for each handler the app serves, OPTIONS aside."""
+    found = []
+    for route in app.routes:
+        path = route.path.replace("{model:path}", "some-model")
+        for method in sorted(route.methods - {"OPTIONS", "HEAD"}):
+            found.append((method, path))
+    return found
+
+
+def app_with(**server: object) -> Litestar:
+    return create_app(Settings(server={"api_keys": [KEY], **server}),
+                      FakeEngine("http://127.0.0.1:9"))
+
+
+async def call(app: Litestar, method: str, path: str, key: str | None = None) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://app") as client:
+        return await client.request(method, path, headers=headers, content=b"{}")
+
+
+@pytest.mark.parametrize("protect", [False, True])
+async def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(protect: bool) -> None:
+    app = app_with(protect_ops_routes=protect)
+    routes = every_route(app)
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/livez") in routes
+    for method, path in routes:
+        open_route = path in OPEN_ALWAYS or (path in OPS and not protect)
+        for key in (None, "sk-wrong"):
+            response = await call(app, method, path, key)
+            if open_route:
+                assert response.status_code != 401, (method, path)
+            else:
+                assert response.status_code == 401, (method, path, response.text)
+                assert response.json()["error"]["type"] == "authentication_error"
+
+
+async def test_livez_stays_open_under_protect_ops_routes() -> None:
+    response = await call(app_with(protect_ops_routes=True), "GET", "/livez")
+    assert response.status_code == 200 and response.json() == {"alive": True}
+
+
+async def test_the_right_key_passes_the_guard_on_every_route() -> None:
+    app = app_with(protect_ops_routes=True)
+    for method, path in every_route(app):
+        assert (await call(app, method, path, KEY)).status_code != 401, (method, path)

@@ -1,0 +1,168 @@
+"""Hang verdicts from the engine's own progress, on a fake clock: fast when the engine stops
+running, never for a long prefill that burns CPU, the idle canary when there is no work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from appliance.settings import SupervisorSettings
+from supervisor.engine_stats import EngineStats
+from supervisor.exits import ExitCause, ExitReason
+from supervisor.monitors.progress import Activity, ProgressMonitor
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Engine:
+    """The worker as the monitor sees it: its /metrics, its canary, its CPU time."""
+
+    busy: bool = False
+    iterations: int = 0
+    cpu: float | None = 0.0  # None: the process set changed
+    runnable: int = 0  # threads running or waiting for a core
+    answers_metrics: bool = True
+    decodes: bool = True
+    canaries: int = 0
+
+    async def engine_stats(self) -> EngineStats | None:
+        if not self.answers_metrics:
+            return None
+        return EngineStats(running=1.0 if self.busy else 0.0, iterations=float(self.iterations))
+
+    async def canary(self, timeout_s: float) -> bool:
+        self.canaries += 1
+        return self.decodes
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SETTINGS = SupervisorSettings(progress_interval_s=1, hang_stall_s=5, hang_cpu_floor=0.02,
+                              hang_busy_floor_s=120, canary_interval_s=30, canary_timeout_s=3)
+
+
+def monitor(engine: Engine, clock: Clock, settings: SupervisorSettings = SETTINGS) -> ProgressMonitor:
+    return ProgressMonitor(engine, settings, clock=clock, activity=lambda _: None
+                           if engine.cpu is None else Activity(engine.cpu, engine.runnable))
+
+
+async def run_for(seconds: float, mon: ProgressMonitor, engine: Engine, clock: Clock,
+                  *, cpu_per_s: float = 0.0, steps_per_s: int = 0) -> tuple[float, ExitCause | None]:
+    """Tick once a second as the manager does; the verdict and when it came, or None.
+    An engine using CPU shows a runnable thread in each sample."""
+    start = clock.now
+    while clock.now - start < seconds:
+        clock.now += 1
+        engine.runnable = 1 if cpu_per_s else 0
+        if engine.cpu is not None:
+            engine.cpu += cpu_per_s
+        engine.iterations += steps_per_s
+        cause = await mon.check(object())  # type: ignore[arg-type]
+        if cause is not None:
+            return clock.now - start, cause
+    return seconds, None
+
+
+async def test_a_busy_engine_that_stops_running_is_hung_within_the_stall_window() -> None:
+    engine, clock = Engine(busy=True), Clock()
+    mon = monitor(engine, clock)
+    await run_for(3, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)  # decoding
+    after, cause = await run_for(60, mon, engine, clock)  # SIGSTOP: no step, no CPU
+    assert cause is not None and cause.reason is ExitReason.HUNG
+    assert "not running" in cause.detail
+    assert 5 <= after <= 7
+
+
+async def test_a_long_prefill_burning_cpu_is_never_hung_before_the_busy_floor() -> None:
+    engine, clock = Engine(busy=True), Clock()
+    mon = monitor(engine, clock)
+    _, cause = await run_for(110, mon, engine, clock, cpu_per_s=0.3)  # counters still
+    assert cause is None
+
+
+async def test_a_starved_engine_waiting_for_a_core_is_not_hung() -> None:
+    """Five engines on two loaded cores: ours got 0.03 s of CPU in 5 s, but its threads were
+    runnable: waiting for a core, not stopped."""
+    engine, clock = Engine(busy=True), Clock()
+    _, cause = await run_for(100, monitor(engine, clock), engine, clock, cpu_per_s=0.006)
+    assert cause is None
+
+
+async def test_a_deadlocked_engine_with_every_thread_asleep_is_hung() -> None:
+    engine, clock = Engine(busy=True), Clock()
+    mon = monitor(engine, clock)
+    await run_for(3, mon, engine, clock, cpu_per_s=0.9, steps_per_s=1)
+    after, cause = await run_for(30, mon, engine, clock)  # threads in futex waits: state S
+    assert cause is not None and "not running" in cause.detail and after <= 7
+
+
+async def test_busy_without_progress_past_three_times_the_longest_step_is_hung() -> None:
+    engine, clock = Engine(busy=True), Clock()
+    mon = monitor(engine, clock)
+    await run_for(60, mon, engine, clock, cpu_per_s=1.0)  # a 60 s prefill...
+    engine.iterations += 1  # ...that completed: the longest step seen is now 60 s
+    await run_for(1, mon, engine, clock, cpu_per_s=1.0)
+    assert mon.longest_step_s >= 60
+    after, cause = await run_for(400, mon, engine, clock, cpu_per_s=1.0)  # a loop, no progress
+    assert cause is not None and "over 3x the longest step" in cause.detail
+    assert 180 <= after <= 182  # max(busy floor 120, 3 x 60)
+
+
+async def test_an_unanswered_metrics_read_is_left_to_the_health_monitor() -> None:
+    engine, clock = Engine(busy=True, answers_metrics=False), Clock()
+    _, cause = await run_for(60, monitor(engine, clock), engine, clock)
+    assert cause is None
+
+
+async def test_an_idle_engine_gets_a_canary_each_interval_and_one_that_fails_is_hung() -> None:
+    engine, clock = Engine(), Clock()
+    mon = monitor(engine, clock)
+    _, cause = await run_for(65, mon, engine, clock)
+    assert cause is None and engine.canaries == 2
+    engine.decodes = False
+    after, cause = await run_for(60, mon, engine, clock)
+    assert cause is not None and cause.reason is ExitReason.HUNG and "canary" in cause.detail
+    assert after <= 30
+
+
+async def test_a_changed_process_set_is_not_read_as_an_idle_cpu() -> None:
+    engine, clock = Engine(busy=True, cpu=None), Clock()  # the reader says: deltas would lie
+    _, cause = await run_for(30, monitor(engine, clock), engine, clock)
+    assert cause is None
+
+
+def test_thread_states_are_read_from_proc_for_real_processes() -> None:
+    """A spinning process has a runnable thread; the same process stopped, or a sleeping one,
+    has none."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from supervisor.monitors.progress import _runnable_threads
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while _runnable_threads(spin.pid) == 0:  # it may wait for a core on a busy box
+            assert time.monotonic() < deadline, "a spinning process was never seen runnable"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert _runnable_threads(sleep.pid) == 0
+        spin.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while _runnable_threads(spin.pid) != 0:
+            assert time.monotonic() < deadline, "a stopped process still looked runnable"
+            time.sleep(0.05)
+    finally:
+        for proc in (spin, sleep):
+            proc.kill()
+            proc.wait()
