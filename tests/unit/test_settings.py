@@ -107,3 +107,33 @@ def test_example_config_file_is_accepted(monkeypatch: pytest.MonkeyPatch) -> Non
     example = Path(__file__).resolve().parents[2] / "config" / "chat-appliance.toml"
     monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(example))
     load_settings()
+
+
+def test_every_setting_is_documented_in_the_example_with_its_default() -> None:
+    """A new limit cannot ship without its line in config/ (STYLE: every limit is a setting
+    with a documented default)."""
+    import tomllib
+
+    from appliance.settings import Settings
+
+    example = Path(__file__).resolve().parents[2] / "config" / "chat-appliance.toml"
+    sections: dict[str, dict[str, object]] = {}
+    current = ""
+    for line in example.read_text().splitlines():
+        if line.startswith("[") and line.rstrip().endswith("]"):
+            current = line.strip("[] \n")
+            sections[current] = {}
+        elif line.startswith("# ") and " = " in line and current:
+            key, _, value = line[2:].partition(" = ")
+            if key.isidentifier():
+                parsed = tomllib.loads(f"v = {value.split('  #')[0]}")["v"]
+                sections[current].setdefault(key, parsed)
+    defaults = Settings().model_dump(mode="json")
+    for group, fields in Settings.model_fields.items():
+        model = fields.annotation
+        assert model is not None
+        for name in model.model_fields:  # type: ignore[union-attr]
+            assert name in sections.get(group, {}), f"[{group}] {name} is not in {example.name}"
+            default = defaults[group][name]
+            if isinstance(default, int | float) and not isinstance(default, bool):
+                assert sections[group][name] == default, f"[{group}] {name}: default {default}"
