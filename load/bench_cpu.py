@@ -1,0 +1,142 @@
+"""What the appliance costs next to vLLM's own API server, on the real worker, in one run.
+
+    python -m load.bench_cpu [--requests 48] [--concurrency 8] [--tokens 32] [--rounds 2]
+
+Starts `chat-appliance serve` with the real vLLM CPU worker, then sends the same closed-loop
+load through the appliance, streaming and not, and reads the CPU seconds each process used
+meanwhile: the appliance's own process (API, supervisor, monitors), vLLM's API-server process
+(the worker's leader) and its EngineCore (the model). The result is the ratio of CPU per request,
+appliance / vLLM API server: the gateway must never be what saturates first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from load.bench_stack import ROOT, Service, cpu_seconds, wait_http
+from tests.net import free_port
+
+PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@dataclass
+class Phase:
+    name: str
+    requests: int
+    wall_s: float
+    appliance_s: float
+    api_server_s: float
+    engine_s: float
+
+    def row(self) -> str:
+        per = 1000 / self.requests
+        ratio = self.appliance_s / self.api_server_s if self.api_server_s else float("nan")
+        return (f"| {self.name} | {self.requests} | {self.wall_s:.1f} | "
+                f"{self.appliance_s * per:.2f} | {self.api_server_s * per:.2f} | "
+                f"{self.engine_s * per:.1f} | **{ratio:.2f}** |")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=48, help="requests per phase")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="max_tokens of each answer")
+    parser.add_argument("--rounds", type=int, default=2, help="stream/non-stream pairs")
+    return parser.parse_args(argv)
+
+
+def start(workdir: Path) -> tuple[Service, str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
+        "CHAT_APPLIANCE_SERVER__PORT": str(port),
+        "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
+        "CHAT_APPLIANCE_ENGINE__PORT": str(free_port()),
+        "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
+        "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+        "PYTHONPATH": str(ROOT),
+    }
+    log_path = workdir / "appliance.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+    return Service("appliance", proc, log_path), f"http://127.0.0.1:{port}"
+
+
+async def drive(url: str, stream: bool, requests: int, concurrency: int, tokens: int) -> None:
+    body = {"messages": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": stream}
+    queue = list(range(requests))
+
+    async def user(client: httpx.AsyncClient) -> None:
+        while queue:
+            queue.pop()
+            if stream:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for _ in response.aiter_bytes():
+                        pass
+            else:
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        await asyncio.gather(*(user(client) for _ in range(concurrency)))
+
+
+def measure(name: str, url: str, pids: tuple[int, int, list[int]], args: argparse.Namespace,
+            stream: bool) -> Phase:
+    appliance, server, engine = pids
+
+    def read() -> tuple[float, float, float]:
+        return (cpu_seconds(appliance), cpu_seconds(server), sum(cpu_seconds(p) for p in engine))
+
+    before, started = read(), time.monotonic()
+    asyncio.run(drive(url, stream, args.requests, args.concurrency, args.tokens))
+    after, wall = read(), time.monotonic() - started
+    return Phase(name, args.requests, wall, *(b - a for a, b in zip(before, after, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        service, url = start(Path(tmp))
+        try:
+            if not wait_http(service, f"{url}/health", 600):
+                print(f"the appliance never became ready:\n{service.tail()}", file=sys.stderr)
+                return 1
+            worker = int(httpx.get(f"{url}/health", timeout=5).json()["pid"])
+            engine = [p.pid for p in psutil.Process(worker).children(recursive=True)]
+            pids = (service.proc.pid, worker, engine)
+            measure("warm-up", url, pids, args, stream=True)
+            phases = []
+            for _ in range(args.rounds):
+                phases.append(measure("streaming", url, pids, args, stream=True))
+                phases.append(measure("non-streaming", url, pids, args, stream=False))
+        finally:
+            service.stop()
+    print(f"\n{args.requests} requests per phase, {args.concurrency} concurrent, "
+          f"{args.tokens} tokens each; CPU ms per request\n")
+    print("| phase | requests | wall s | appliance | vLLM API server | EngineCore | "
+          "appliance / API server |")
+    print("|---|---|---|---|---|---|---|")
+    for phase in phases:
+        print(phase.row())
+    print(json.dumps({"phases": [phase.__dict__ for phase in phases]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
