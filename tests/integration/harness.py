@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from appliance.settings import default_engine_python, default_model
 from supervisor.worker import session_members
@@ -108,3 +109,43 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
 def worker_tree(pid: int) -> list[int]:
     """Live processes of the worker's session (the worker leads it)."""
     return [p.pid for p in session_members(pid)]
+
+
+@contextlib.contextmanager
+def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
+                                **settings: str) -> Iterator[Appliance]:
+    """`serve` supervising the synthetic upstream instead of vLLM (fleet and proxy tests).
+
+    The supervisor treats it as any worker: boot probes (/health, /v1/models, the 1-token
+    canary), restarts, 503 while it is down. `worker_args` go to tests.support.synthetic_upstream.
+    """
+    port, engine_port = free_port(), free_port()
+    worker = [sys.executable, "-m", "tests.support.synthetic_upstream",
+              "--port", str(engine_port), *worker_args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env |= {
+        "CHAT_APPLIANCE_SERVER__PORT": str(port),
+        "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
+        "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(worker),
+        "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+    }
+    env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        # The worker inherits the checkout as its directory: `-m tests.support...` resolves there.
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parents[2])
+    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
+    try:
+        yield appliance
+    finally:
+        worker_pid = None
+        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError):
+            worker_pid = appliance.worker_pid()
+        appliance.stop()
+        # The worker leads its own session: a supervisor that died mid-test must not leak it.
+        for member in session_members(worker_pid) if worker_pid else []:
+            with contextlib.suppress(psutil.Error):
+                member.kill()
