@@ -54,7 +54,7 @@ def create_app(
 
     api = Router("/", route_handlers=openai.routes(RouteDeps(relay, settings.server)),
                  guards=[key_guard])
-    operations = Router("/", route_handlers=ops.guarded_routes(engine, metrics),
+    operations = Router("/", route_handlers=ops.guarded_routes(engine, metrics, admission),
                         guards=[key_guard] if settings.server.protect_ops_routes else [])
 
     @contextlib.asynccontextmanager

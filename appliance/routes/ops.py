@@ -8,21 +8,23 @@ from typing import Any
 from litestar import Response, get
 from litestar.handlers import HTTPRouteHandler
 
+from appliance.admission import Admission
 from appliance.engine import EngineState, EngineView
 from appliance.metrics import RequestMetrics
 
 QUIET = {"quiet": True}  # polled: an access line each would drown the log
 
 
-def guarded_routes(engine: EngineView, metrics: RequestMetrics) -> list[HTTPRouteHandler]:
+def guarded_routes(engine: EngineView, metrics: RequestMetrics,
+                   admission: Admission) -> list[HTTPRouteHandler]:
     """Open by default; behind the key guard with server.protect_ops_routes."""
 
     @get("/health", opt=QUIET, sync_to_thread=False)
     def health() -> Response[dict[str, Any]]:
         ready = engine.state is EngineState.READY
         headers = {} if ready else {"Retry-After": str(engine.retry_after_s())}
-        return Response(content=engine.snapshot(), status_code=200 if ready else 503,
-                        headers=headers)
+        detail = engine.snapshot() | {"in_flight": admission.in_flight}
+        return Response(content=detail, status_code=200 if ready else 503, headers=headers)
 
     @get("/metrics", opt=QUIET, sync_to_thread=False)
     def metrics_route() -> Response[bytes]:

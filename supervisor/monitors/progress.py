@@ -51,7 +51,8 @@ class Activity:
 
 
 class EngineActivity:
-    """What a worker's engine processes (its tree minus its server) are doing, from /proc."""
+    """What a worker's engine processes (its tree minus its server, or the server alone if it
+    has no child) are doing, from /proc."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -62,8 +63,13 @@ class EngineActivity:
     def __call__(self, worker: Worker) -> Activity | None:
         """None when the set of processes changed since the last call (deltas would lie)."""
         changed = False
-        if worker.pid != self._leader or self._clock() - self._refreshed >= _MEMBERS_REFRESH_S:
-            members = [p for p in session_members(worker.pid) if p.pid != worker.pid]
+        alone = [p.pid for p in self._members] == [worker.pid]  # children may come later
+        if worker.pid != self._leader or alone \
+                or self._clock() - self._refreshed >= _MEMBERS_REFRESH_S:
+            tree = session_members(worker.pid)
+            # The engine runs in the server's children (vLLM's EngineCore); a worker with no
+            # child runs its engine in the server process itself.
+            members = [p for p in tree if p.pid != worker.pid] or tree
             changed = {p.pid for p in members} != {p.pid for p in self._members} \
                 or worker.pid != self._leader
             self._leader, self._members, self._refreshed = worker.pid, members, self._clock()

@@ -166,3 +166,31 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
         for proc in (spin, sleep):
             proc.kill()
             proc.wait()
+
+
+async def test_engine_activity_reads_the_child_processes_or_the_server_alone() -> None:
+    """vLLM runs its engine in the server's children; a worker without children (a synthetic
+    upstream) runs it in the server itself, which must then be what is read."""
+    import asyncio
+    import sys
+
+    from appliance.settings import EngineSettings
+    from supervisor.monitors.progress import EngineActivity
+    from supervisor.worker import ProcessLauncher
+
+    spin = "while True: pass"
+    sleeping_server = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                       f"{spin!r}]); time.sleep(600)")
+    for code in (sleeping_server, spin):  # the spinning process: the child, then the server
+        worker = await ProcessLauncher(EngineSettings(command=[sys.executable, "-c", code])).start()
+        try:
+            activity = EngineActivity()
+            seen = None
+            for _ in range(400):
+                await asyncio.sleep(0.05)
+                seen = activity(worker)
+                if seen is not None and seen.runnable and seen.cpu_s >= 0.3:
+                    break
+            assert seen is not None and seen.runnable >= 1 and seen.cpu_s >= 0.3, (code, seen)
+        finally:
+            await worker.stop(grace_s=0)
