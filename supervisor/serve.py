@@ -96,6 +96,7 @@ async def serve(settings: Settings) -> int:
     server = _Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,
                                     lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
+                                    proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
                                     server_header=False))
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):

@@ -14,7 +14,8 @@ from appliance.policy import check_bearer
 def key_guard(keys: Sequence[str]) -> Guard:
     """`Authorization: Bearer <key>` must name a configured key (none configured: open)."""
 
-    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+    # Async on purpose: Litestar runs a sync guard on a worker thread, a thread hop per request.
+    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:  # type: ignore[type-arg]
         check_bearer(connection.headers.get("authorization"), keys)
 
     return guard
