@@ -26,6 +26,7 @@ from appliance.upstream import Reply, Upstream
 log = structlog.get_logger("appliance.relay")
 
 _JSON = (b"content-type", b"application/json")
+_NO_CACHE = (b"cache-control", b"no-cache")
 
 
 @dataclass(frozen=True)
@@ -138,13 +139,12 @@ class Relay:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _head(self, send: Send, reply: Reply) -> None:
-        headers = reply.headers | self._vetted.headers
+        headers = reply.headers + _encode_headers(self._vetted.headers)
         if self._vetted.stream:
-            headers["cache-control"] = "no-cache"
-        headers["x-request-id"] = self._request_id
+            headers.append(_NO_CACHE)
+        headers.append((b"x-request-id", self._request_id.encode("latin-1")))
         self._started = True
-        await send({"type": "http.response.start", "status": reply.status,
-                    "headers": _encode_headers(headers)})
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
 
     async def _interrupted(self, send: Send, reason: str) -> None:
         if reason == "client_disconnected":

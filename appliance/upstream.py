@@ -1,5 +1,11 @@
 """The one HTTP client from the API to the worker: exchanges, small JSON calls, error mapping.
 
+A minimal HTTP/1.1 client on asyncio protocols with httptools' C parser: the worker is a
+known local server (vLLM's uvicorn) that always frames its answers, and a general client
+(aiohttp) cost 220 µs of CPU per request here against 25 µs for this one. Keep-alive
+connections are pooled; a stream's chunks are handed over as they arrive (several at once
+under load) with flow control, so a slow client never makes the appliance buffer a stream.
+
 Every failure of the transport becomes an ApiError here and nowhere else: before the worker's
 head it is EngineUnavailable (nothing was answered), after it engine_lost (partial answer).
 """
@@ -7,11 +13,14 @@ head it is EngineUnavailable (nothing was answered), after it engine_lost (parti
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 import msgspec
 import structlog
 
@@ -22,90 +31,197 @@ log = structlog.get_logger("appliance.upstream")
 
 # Hop-by-hop and framing headers belong to each connection, never forwarded.
 _DROP = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "content-encoding", "proxy-connection",
-    "te", "trailer", "upgrade", "date", "server",
+    b"connection", b"keep-alive", b"transfer-encoding", b"content-encoding",
+    b"proxy-connection", b"te", b"trailer", b"upgrade", b"date", b"server",
 })
-_TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-# A pooled keep-alive connection the worker closed while it sat idle fails like this, before a
-# byte of the request was read: nothing reached the engine, so a fresh connection is safe.
-_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+_HIGH_WATER = 256 * 1024  # unread bytes of a stream before the worker's socket is paused
 _STALE_RETRIES = 2
+
+
+class _Lost(Exception):
+    """The connection failed; `answered` says whether any byte of the answer had arrived."""
+
+    def __init__(self, why: str, answered: bool) -> None:
+        super().__init__(why)
+        self.answered = answered
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to the worker, one exchange at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.head_done = self.complete = self.answered = self.keep_alive = False
+        self.failure: _Lost | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    # --- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"unparsable answer: {exc}")
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.complete:
+            self._fail(f"connection lost: {type(exc).__name__ if exc else 'closed'}")
+
+    # --- httptools callbacks ----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()  # llhttp forgets it once complete
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # --- the exchange -----------------------------------------------------------------------
+
+    def begin(self, request: bytes) -> None:
+        self._reset()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until something new arrived (head, body, end) or the connection failed."""
+        if self.failure is not None:
+            raise self.failure
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._waiter
+        except TimeoutError:
+            raise _Lost(f"no byte from the worker for {timeout_s:g}s", self.answered) from None
+        finally:
+            self._waiter = None
+        if self.failure is not None:
+            raise self.failure
+
+    def take(self) -> bytes:
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def reusable(self) -> bool:
+        return (self.complete and self.keep_alive and self.transport is not None
+                and not self.transport.is_closing())
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = _Lost(why, self.answered)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class Reply:
     """The worker's answer once its head arrived: status, headers, then the body on demand."""
 
-    __slots__ = ("_response", "headers", "status")
+    __slots__ = ("_conn", "_timeout", "headers", "status")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self.status = response.status
-        self.headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP}
+    def __init__(self, conn: _Connection, timeout_s: float) -> None:
+        self._conn = conn
+        self._timeout = timeout_s
+        self.status = conn.status
+        self.headers = [(k, v) for k, v in conn.headers if k not in _DROP]
 
     async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except _TRANSPORT_ERRORS as exc:
-            raise _lost(exc) from exc
+        conn, parts = self._conn, []
+        while not conn.complete:
+            await self._next()
+            parts.append(conn.take())
+        parts.append(conn.take())
+        return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """What has arrived, as it arrives: under load several events leave in one write."""
-        stream = self._response.content
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                yield conn.take()
+                continue
+            if conn.complete:
+                return
+            await self._next()
+
+    async def _next(self) -> None:
         try:
-            while True:
-                chunk = await stream.readany()
-                if not chunk:
-                    return
-                yield chunk
-        except _TRANSPORT_ERRORS as exc:
+            await self._conn.wait(self._timeout)
+        except _Lost as exc:
             raise _lost(exc) from exc
 
 
 class Upstream:
-    """One pooled aiohttp session to the worker; every call bounded in time."""
+    """A pool of connections to the worker; every call bounded in time."""
 
     def __init__(self, base_url: str, server: ServerSettings,
                  retry_after_s: Callable[[], int]) -> None:
-        self._base_url = base_url
+        split = urlsplit(base_url)
+        self._host, self._port = split.hostname or "127.0.0.1", split.port or 80
+        self._host_header = f"{self._host}:{self._port}".encode()
         self._server = server
         self._retry_after_s = retry_after_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        # Made on first use: a session belongs to the running loop, not to the factory's caller.
-        if self._session is None:
-            server = self._server
-            self._session = aiohttp.ClientSession(
-                base_url=self._base_url,
-                timeout=aiohttp.ClientTimeout(total=None,
-                                              sock_connect=server.upstream_connect_timeout_s,
-                                              sock_read=server.upstream_read_timeout_s),
-                # Shorter than the worker's own keep-alive (uvicorn's 5 s), so the pool never
-                # hands out a connection the worker is closing.
-                connector=aiohttp.TCPConnector(limit=server.upstream_max_connections,
-                                               keepalive_timeout=server.upstream_keepalive_s),
-                trust_env=False,
-                auto_decompress=False,
-            )
-        return self._session
+        self._idle: collections.deque[_Connection] = collections.deque()
+        self._open = 0
+        self._freed = asyncio.Condition()
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        while self._idle:
+            self._idle.pop().close()
 
     @contextlib.asynccontextmanager
     async def exchange(self, method: str, path: str, body: bytes | None,
                        headers: dict[str, str]) -> AsyncIterator[Reply]:
         """Send the request, yield the worker's head; on exit the connection goes back to the
-        pool if the body was read to its end, else it is closed, which makes vLLM abort."""
-        response = await self._send(method, path, body, headers)
+        pool if the answer was read to its end, else it is closed, which makes vLLM abort."""
+        request = self._request_bytes(method, path, body, headers)
+        conn = await self._send(request)
         try:
-            yield Reply(response)
+            yield Reply(conn, self._server.upstream_read_timeout_s)
         finally:
-            if response.content.at_eof():
-                response.release()
-            else:
-                response.close()
+            self._release(conn)
 
     async def call(self, method: str, path: str, payload: Any = None,
                    timeout_s: float = 30.0) -> tuple[int, Any]:
@@ -122,28 +238,78 @@ class Upstream:
         except (msgspec.DecodeError, RecursionError):
             return reply.status, None
 
-    async def _send(self, method: str, path: str, body: bytes | None,
-                    headers: dict[str, str]) -> aiohttp.ClientResponse:
+    def _request_bytes(self, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str]) -> bytes:
+        lines = [f"{method} {path} HTTP/1.1".encode(), b"host: " + self._host_header]
+        lines += [f"{name}: {value}".encode("latin-1") for name, value in headers.items()]
+        if body is not None:
+            lines.append(b"content-length: " + str(len(body)).encode())
+        return b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
+
+    async def _send(self, request: bytes) -> _Connection:
+        """Write the request and wait for the head. A pooled connection the worker closed while
+        it sat idle fails before any byte of an answer: nothing reached the engine, so it is
+        tried again on a fresh connection."""
         for attempt in range(_STALE_RETRIES + 1):
+            conn, pooled = await self._acquire()
+            conn.begin(request)
             try:
-                return await self._client().request(method, path, data=body, headers=headers)
-            except aiohttp.ClientConnectorError as exc:  # nothing listens: no worker to retry on
-                raise self._unavailable(exc) from exc
-            except _STALE_CONNECTION as exc:
-                if attempt == _STALE_RETRIES:
+                while not conn.head_done:
+                    await conn.wait(self._server.upstream_read_timeout_s)
+                return conn
+            except _Lost as exc:
+                self._release(conn)
+                if not pooled or exc.answered or attempt == _STALE_RETRIES:
                     raise self._unavailable(exc) from exc
-                log.info("upstream.stale_connection_retried", error=type(exc).__name__)
-            except _TRANSPORT_ERRORS as exc:
-                raise self._unavailable(exc) from exc
+                log.info("upstream.stale_connection_retried", error=str(exc))
+            except BaseException:
+                self._release(conn)  # cancelled (the client left): the close aborts it
+                raise
         raise AssertionError("unreachable")  # the loop returns or raises
 
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        keepalive = self._server.upstream_keepalive_s
+        while self._idle:
+            conn = self._idle.pop()
+            fresh = time.monotonic() - conn.idle_since < keepalive
+            if fresh and conn.transport is not None and not conn.transport.is_closing():
+                return conn, True
+            self._drop(conn)
+        async with self._freed:
+            await self._freed.wait_for(lambda: self._open < self._server.upstream_max_connections)
+        self._open += 1
+        try:
+            async with asyncio.timeout(self._server.upstream_connect_timeout_s):
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    _Connection, self._host, self._port)
+        except (OSError, TimeoutError) as exc:
+            self._open -= 1
+            raise self._unavailable(exc) from exc
+        return conn, False
+
+    def _release(self, conn: _Connection) -> None:
+        if conn.reusable:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+            return
+        self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self._open -= 1
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._freed:
+            self._freed.notify()
+
     def _unavailable(self, exc: BaseException) -> ApiError:
-        log.warning("upstream.unreachable", error=type(exc).__name__)
+        log.warning("upstream.unreachable", error=str(exc) or type(exc).__name__)
         return EngineUnavailable("the engine is not answering; retry shortly",
                                  code="engine_unavailable", retry_after_s=self._retry_after_s(),
                                  reason="engine_unreachable")
 
 
 def _lost(exc: BaseException) -> ApiError:
-    log.warning("upstream.lost", error=type(exc).__name__)
+    log.warning("upstream.lost", error=str(exc))
     return engine_lost(retry_after_s=1)

