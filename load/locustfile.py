@@ -215,6 +215,32 @@ class ChatUser(SdkUser):
         self.report(outcome)
 
 
+class WindowUser(SdkUser):
+    """Legitimately long work: a prompt that fills most of the context window. On the CPU its
+    prefill sends no byte for tens of seconds: the watchdog must never call that a hang."""
+
+    weight = 1
+
+    def on_start(self) -> None:
+        super().on_start()
+        window = self._window()
+        # " the" is one token in byte-level BPE vocabularies; the template adds a few dozen.
+        self.prompt = "the" + " the" * int(window * 0.85) if window else LONG_PROMPT
+
+    def _window(self) -> int:
+        try:
+            model = self.sdk.models.list().data[0]
+        except (openai.APIError, IndexError):
+            return 0
+        return int((model.model_extra or {}).get("max_model_len") or 0)
+
+    @task
+    def window_prompt(self) -> None:
+        outcome = Outcome("window-filling prompt (streamed)")
+        self.stream(outcome, messages=_chat(self.prompt), max_tokens=16)
+        self.report(outcome)
+
+
 class EdgeCaseUser(SdkUser):
     """The awkward clients: oversized max_tokens, mid-stream hang-ups, images to a text model."""
 

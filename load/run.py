@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_path.unlink(missing_ok=True)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     chaos = Chaos(args.url, args.chaos_interval, headers) if args.chaos else None
+    restarts_before = _restarts(args.url, headers)
     try:
         code = _drive(args, summary_path, chaos)
         recovered = chaos is None or _settle(chaos, args.recovery_timeout)
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     chaos_lines = [s.line() for s in chaos.strikes] if chaos else None
     if chaos_lines is not None:
         (args.out / "chaos.txt").write_text("\n".join(chaos_lines) + "\n")
-    passed = bool(summary["passed"]) and recovered
+    restarts = _restarts(args.url, headers) - restarts_before
+    # Without chaos nothing may restart the engine: a restart is a false alarm (a long
+    # prefill called a hang) or a real crash, and either fails the run.
+    summary["engine_restarts"] = restarts
+    passed = bool(summary["passed"]) and recovered and (chaos is not None or restarts == 0)
     print(render(summary, args, chaos_lines, passed))
     return EXIT_PASS if passed else EXIT_FAIL
 
@@ -124,6 +129,16 @@ def _settle(chaos: Chaos, timeout_s: float) -> bool:
     return chaos.settle()
 
 
+def _restarts(url: str, headers: dict[str, str]) -> float:
+    """appliance_engine_restarts_total, all causes, from /metrics (0 if unreadable)."""
+    try:
+        text = httpx.get(f"{url}/metrics", headers=headers, timeout=10, trust_env=False).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("appliance_engine_restarts_total{"))
+
+
 def _model(url: str, api_key: str) -> str:
     """The served model id, from /v1/models, else /health (it may be restarting); '' if neither."""
     headers = {"Authorization": f"Bearer {api_key}"}
@@ -159,7 +174,9 @@ def render(summary: dict[str, Any], args: argparse.Namespace, chaos: list[str] |
     lines += [f"TTFT: p50 {_ms(ttft['p50'])}, p95 {_ms(ttft['p95'])} (n={ttft['count']})",
               f"tokens/s per stream: p50 {_rate(tps['p50'])}, p5 {_rate(tps['p5'])}; "
               f"all streams together: {_rate(summary['streamed_tokens_per_s_aggregate'])}",
-              f"SSE error events (engine lost mid-stream): {summary['sse_error_events']}"]
+              f"SSE error events (engine lost mid-stream): {summary['sse_error_events']}",
+              f"engine restarts during the run: {summary['engine_restarts']:g}"
+              + ("" if chaos is not None else " (without chaos: must be 0)")]
     if chaos is not None:
         chaos = chaos or ["no strike made (run shorter than --chaos-interval, or never ready)"]
         lines += ["chaos:"] + [f"  {line}" for line in chaos]
