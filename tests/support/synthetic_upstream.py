@@ -2,7 +2,15 @@
 
 Run: python -m tests.support.synthetic_upstream --port 8100 [--tokens 64] [--token-delay 0]
 It answers /health, /v1/models, /tokenize (4 characters a token), /metrics (the running
-count, as vLLM names it) and /v1/chat/completions, /v1/completions, streamed or not.
+count, as vLLM names it, and how often /tokenize and generation were called) and
+/v1/chat/completions, /v1/completions, streamed or not; a completion's id is made from the
+X-Request-Id it was sent, as vLLM makes it.
+
+Options that make it behave like the real worker where tests need it to:
+  --faults       a prompt or message holding REJECT_MARKER gets vLLM's own 400 shape (an integer
+                 code, type "BadRequestError"); one holding CRASH_MARKER, or a `structured_outputs`
+                 that is not an object (vLLM 0.32 crashes on `true`), gets vLLM's 500 and then the
+                 connection is dropped without notice, as a crashing worker drops it.
 """
 
 from __future__ import annotations
@@ -11,22 +19,33 @@ import argparse
 import asyncio
 import json
 import time
+import uuid
 from typing import Any
 
 import uvicorn
 
 Scope = dict[str, Any]
 MAX_MODEL_LEN = 2048
+REJECT_MARKER = "synthetic:reject"
+CRASH_MARKER = "synthetic:crash"
+
+
+class _Crash(Exception):
+    """Raised after a 500 is sent: uvicorn then drops the connection, as a crashing worker does."""
 
 
 class Upstream:
-    def __init__(self, tokens: int, token_delay_s: float, model: str) -> None:
+    def __init__(self, tokens: int, token_delay_s: float, model: str, *, faults: bool = False,
+                 root: str | None = None) -> None:
         self.tokens = tokens
         self.delay = token_delay_s
         self.model = model
+        self.faults = faults
+        self.root = root or f"/models/{model}"  # vLLM shows the model's directory here
         self.running = 0
         self.tokenized = 0
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
+        self.generated = 0
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -42,12 +61,13 @@ class Upstream:
                 break
         path = scope["path"]
         if path in ("/v1/chat/completions", "/v1/completions"):
-            await _until_disconnect(receive, self._generate(json.loads(body or b"{}"), path, send))
+            await self._complete(scope, receive, send, json.loads(body or b"{}"))
         elif path == "/health":
             await _json(send, 200, {})
         elif path == "/v1/models":
             await _json(send, 200, {"object": "list", "data": [{"id": self.model,
                                                                "object": "model",
+                                                               "root": self.root, "parent": None,
                                                                "max_model_len": MAX_MODEL_LEN}]})
         elif path == "/tokenize":
             self.tokenized += 1
@@ -55,13 +75,29 @@ class Upstream:
             count = _prompt_tokens(self.counted[-1])
             await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
         elif path == "/metrics":
-            text = f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            text = (f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+                    f"synthetic_tokenize_calls_total {self.tokenized}\n"
+                    f"synthetic_generate_calls_total {self.generated}\n")
             await _raw(send, 200, text.encode(), b"text/plain")
         else:
             await _json(send, 404, {"error": {"message": "not found", "type": "not_found",
                                               "param": None, "code": None}})
 
-    async def _generate(self, request: dict[str, Any], path: str, send: Any) -> None:
+    async def _complete(self, scope: Scope, receive: Any, send: Any,
+                        request: dict[str, Any]) -> None:
+        self.generated += 1
+        fault = _vllm_fault(request) if self.faults else None
+        if fault is not None:
+            await _json(send, fault["error"]["code"], fault)
+            if fault["error"]["code"] == 500:
+                raise _Crash("synthetic worker crash after its 500")
+            return
+        path = scope["path"]
+        await _until_disconnect(receive, self._generate(request, path, send,
+                                                        _completion_id(scope, path)))
+
+    async def _generate(self, request: dict[str, Any], path: str, send: Any,
+                        completion_id: str) -> None:
         chat = path.endswith("chat/completions")
         budget = request.get("max_completion_tokens") or request.get("max_tokens")
         prompt = _prompt_tokens(request)
@@ -79,7 +115,7 @@ class Upstream:
         self.running += 1
         try:
             if request.get("stream"):
-                await self._stream(send, chat, count)
+                await self._stream(send, chat, count, completion_id)
             else:
                 if self.delay:
                     await asyncio.sleep(self.delay * count)
@@ -87,7 +123,7 @@ class Upstream:
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                            "finish_reason": "length"} if chat else
                           {"index": 0, "text": text, "finish_reason": "length"})
-                await _json(send, 200, {"id": "cmpl-synthetic", "object": "chat.completion",
+                await _json(send, 200, {"id": completion_id, "object": "chat.completion",
                                         "created": int(time.time()), "model": self.model,
                                         "choices": [choice],
                                         "usage": {"prompt_tokens": 1, "completion_tokens": count,
@@ -95,13 +131,13 @@ class Upstream:
         finally:
             self.running -= 1
 
-    async def _stream(self, send: Any, chat: bool, count: int) -> None:
+    async def _stream(self, send: Any, chat: bool, count: int, completion_id: str) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(count):
             delta = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
                      else {"index": 0, "text": "tok ", "finish_reason": None})
-            chunk = {"id": "cmpl-synthetic", "object": "chat.completion.chunk",
+            chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
             await send({"type": "http.response.body",
                         "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
@@ -116,6 +152,27 @@ def _prompt_tokens(request: dict[str, Any]) -> int:
     """Four characters a token: a stand-in for the worker's own tokenizer."""
     text = request.get("prompt") or json.dumps(request.get("messages", ""))
     return max(1, len(str(text)) // 4)
+
+
+def _vllm_fault(request: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's own error answer where a field or a marker upsets it (its shape: an integer code)."""
+    text = json.dumps([request.get("prompt"), request.get("messages")])
+    structured = request.get("structured_outputs")
+    if CRASH_MARKER in text or (structured is not None and not isinstance(structured, dict)):
+        return {"error": {"message": "'bool' object has no attribute 'get'",
+                          "type": "InternalServerError", "param": None, "code": 500}}
+    if REJECT_MARKER in text:
+        return {"error": {"message": "1 validation error for ChatCompletionRequest\n  Value "
+                                     "error, synthetic rejection [type=value_error]",
+                          "type": "BadRequestError", "param": None, "code": 400}}
+    return None
+
+
+def _completion_id(scope: Scope, path: str) -> str:
+    """vLLM's completion id: the X-Request-Id it was sent (latin-1, as Starlette reads it)."""
+    sent = dict(scope.get("headers", [])).get(b"x-request-id")
+    base = sent.decode("latin-1") if sent else uuid.uuid4().hex
+    return f"{'chatcmpl' if path.endswith('chat/completions') else 'cmpl'}-{base}"
 
 
 async def _until_disconnect(receive: Any, work: Any) -> None:
@@ -155,8 +212,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--model", default="synthetic")
+    parser.add_argument("--faults", action="store_true", help="vLLM's 400s and crashes (see above)")
     args = parser.parse_args()
-    app = Upstream(args.tokens, args.token_delay, args.model)
+    app = Upstream(args.tokens, args.token_delay, args.model, faults=args.faults)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
