@@ -1,0 +1,165 @@
+"""`chat-appliance serve` over the synthetic upstream, as a black box: a real process on loopback.
+
+The edge tests go through the real entry point (the supervisor's own server, with whatever
+connection limits it sets) rather than an app served by the test, so that they hold whatever the
+request path becomes. The synthetic upstream is the worker (`engine.command`), so a boot takes
+about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from appliance.settings import Settings
+from load.procstat import Usage, usage
+from load.rawclient import Target
+from tests.metrics_text import samples
+from tests.net import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BOOT_S = 60.0
+STOP_S = 20.0
+
+
+@dataclass
+class Stack:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    engine_port: int
+
+    @property
+    def target(self) -> Target:
+        return Target.parse(self.url)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def usage(self) -> Usage:
+        return usage(self.proc.pid)
+
+    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        return samples(httpx.get(f"{self.url}/metrics", timeout=10).text)
+
+    def engine_counter(self, name: str) -> float:
+        """A counter of the synthetic worker (synthetic_tokenize_calls_total, ...)."""
+        text = httpx.get(f"http://127.0.0.1:{self.engine_port}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.split()[1])
+        raise AssertionError(f"the synthetic worker has no {name}")
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def log_events(self) -> list[dict[str, object]]:
+        events = []
+        for line in self.log_lines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    events.append(event)
+        return events
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_lines()[-lines:])
+
+
+def known_settings(wanted: Mapping[str, object]) -> dict[str, object]:
+    """The dotted settings (`server.idle_timeout_s`) this tree's Settings model has; the rest
+    are left out so that the appliance still boots where a limit does not exist yet."""
+    kept = {}
+    for key, value in wanted.items():
+        group, _, name = key.partition(".")
+        field = Settings.model_fields.get(group)
+        model = getattr(field, "annotation", None)
+        if name in getattr(model, "model_fields", {}):
+            kept[key] = value
+    return kept
+
+
+def _env(settings: Mapping[str, object], port: int, engine_port: int,
+         upstream_args: Sequence[str]) -> dict[str, str]:
+    upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port",
+                str(engine_port), "--tokens", "8", *upstream_args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env |= {
+        "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
+        "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        "CHAT_APPLIANCE_SERVER__PORT": str(port),
+        "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
+        "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+        "CHAT_APPLIANCE_SUPERVISOR__HEALTH_INTERVAL_S": "0.5",
+        "CHAT_APPLIANCE_SUPERVISOR__DRAIN_TIMEOUT_S": "2",
+        "CHAT_APPLIANCE_GPU__ENABLED": "false",
+        "PYTHONPATH": str(ROOT),
+    }
+    for key, value in settings.items():
+        name = "CHAT_APPLIANCE_" + key.upper().replace(".", "__")
+        env[name] = value if isinstance(value, str) else json.dumps(value)
+    return env
+
+
+@contextlib.contextmanager
+def running_stack(log_dir: Path, settings: Mapping[str, object] | None = None,
+                  upstream_args: Sequence[str] = ("--faults", "--vllm-budget")) -> Iterator[Stack]:
+    """Boot serve over the synthetic worker, wait until /health is 200, stop both at the end."""
+    port, engine_port = free_port(), free_port()
+    log_path = log_dir / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], cwd=ROOT,
+                                env=_env(settings or {}, port, engine_port, upstream_args),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    stack = Stack(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
+    try:
+        _wait_ready(stack)
+        yield stack
+    finally:
+        _stop(stack)
+
+
+def _wait_ready(stack: Stack) -> None:
+    deadline = time.monotonic() + BOOT_S
+    while time.monotonic() < deadline:
+        if stack.proc.poll() is not None:
+            raise AssertionError(f"serve exited {stack.proc.returncode}:\n{stack.tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{stack.url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"appliance over the synthetic worker not ready:\n{stack.tail()}")
+
+
+def _stop(stack: Stack) -> None:
+    """SIGTERM (serve drains and stops its worker), then kill whatever of ours is left."""
+    family = _family(stack.proc.pid)
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+    try:
+        stack.proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        stack.proc.kill()
+        stack.proc.wait(10)
+    for process in family:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
