@@ -65,6 +65,19 @@ class Stack:
     def log_lines(self) -> list[str]:
         return self.log_path.read_text(errors="replace").splitlines()
 
+    def new_log_lines(self, since: int, quiet_s: float = 0.5, within_s: float = 5.0) -> list[str]:
+        """The log lines after the first `since`, once the log has been quiet for `quiet_s`
+        (the worker's output is pumped into it asynchronously)."""
+        deadline = time.monotonic() + within_s
+        lines = self.log_lines()
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            latest = self.log_lines()
+            if len(latest) == len(lines):
+                break
+            lines = latest
+        return lines[since:]
+
     def log_events(self) -> list[dict[str, object]]:
         events = []
         for line in self.log_lines():

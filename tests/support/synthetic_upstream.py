@@ -10,7 +10,8 @@ Options that make it behave like the real worker where tests need it to:
   --faults       a prompt or message holding REJECT_MARKER gets vLLM's own 400 shape (an integer
                  code, type "BadRequestError"); one holding CRASH_MARKER, or a `structured_outputs`
                  that is not an object (vLLM 0.32 crashes on `true`), gets vLLM's 500 and then the
-                 connection is dropped without notice, as a crashing worker drops it.
+                 connection is dropped without notice, a moment later (CRASH_CLOSE_DELAY_S), as a
+                 crashing worker drops it: a client that reuses it at once loses its request.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ Scope = dict[str, Any]
 MAX_MODEL_LEN = 2048
 REJECT_MARKER = "synthetic:reject"
 CRASH_MARKER = "synthetic:crash"
+CRASH_CLOSE_DELAY_S = 0.2
 
 
 class _Crash(Exception):
@@ -46,12 +48,16 @@ class Upstream:
         self.tokenized = 0
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
         self.generated = 0
+        self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope.get("client") in self._dropping:
+            await asyncio.sleep(2 * CRASH_CLOSE_DELAY_S)  # lost with the connection, unanswered
             return
         body = b""
         while True:
@@ -90,6 +96,9 @@ class Upstream:
         if fault is not None:
             await _json(send, fault["error"]["code"], fault)
             if fault["error"]["code"] == 500:
+                self._dropping.add(scope.get("client"))
+                await asyncio.sleep(CRASH_CLOSE_DELAY_S)
+                self._dropping.discard(scope.get("client"))
                 raise _Crash("synthetic worker crash after its 500")
             return
         path = scope["path"]
@@ -149,8 +158,14 @@ class Upstream:
 
 
 def _prompt_tokens(request: dict[str, Any]) -> int:
-    """Four characters a token: a stand-in for the worker's own tokenizer."""
-    text = request.get("prompt") or json.dumps(request.get("messages", ""))
+    """Four characters a token: a stand-in for the worker's own tokenizer. A batch of prompts
+    (strings or token ids) counts as its longest, as vLLM checks each prompt of it."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return max(_prompt_tokens({"prompt": p}) for p in prompt)
+    if isinstance(prompt, list):
+        return max(1, len(prompt))
+    text = prompt or json.dumps(request.get("messages", ""))
     return max(1, len(str(text)) // 4)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -12,11 +12,14 @@ from tests.unit.edge.limits import EDGE_LIMITS
 
 
 @contextlib.contextmanager
-def boot(factory: pytest.TempPathFactory, **overrides: object) -> Iterator[Stack]:
+def boot(factory: pytest.TempPathFactory, upstream_args: Sequence[str] = (),
+         **overrides: object) -> Iterator[Stack]:
     """The appliance with the edge limits, `overrides` (dotted keys as `policy__max_inflight`)
-    on top; only the settings this tree knows are passed."""
+    on top; only the settings this tree knows are passed. The synthetic worker behaves like
+    vLLM (--faults --vllm-budget), plus `upstream_args`."""
     wanted = EDGE_LIMITS | {key.replace("__", "."): value for key, value in overrides.items()}
-    with running_stack(factory.mktemp("edge"), known_settings(wanted)) as stack:
+    args = ("--faults", "--vllm-budget", *upstream_args)
+    with running_stack(factory.mktemp("edge"), known_settings(wanted), args) as stack:
         yield stack
 
 
