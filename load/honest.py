@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 POLL_PERIOD_S = 0.02
-MIN_SAMPLES = 10
+MIN_SAMPLES = 100  # about 2.5 s of polling: a p99 that one scheduler hiccup does not decide
 
 
 @dataclass

@@ -173,6 +173,6 @@ def _stop(stack: Stack) -> None:
 
 def _family(pid: int) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children(recursive=True)
+        return list(psutil.Process(pid).children(recursive=True))
     except psutil.Error:
         return []

@@ -84,7 +84,7 @@ def assert_answer(status: int, content_type: str, body: bytes) -> None:
 async def _send(route: Route, body: bytes, headers: list[tuple[str, bytes]]) -> httpx.Response:
     async with upstream() as (_, url):
         app = create_app(Settings(), FakeEngine(url))
-        transport = httpx.ASGITransport(app=app)
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
             sent = [("content-type", b"application/json"), *headers]
             return await client.request(route.method, route.path, content=body or None,

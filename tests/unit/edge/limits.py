@@ -24,6 +24,9 @@ EDGE_LIMITS: dict[str, object] = {
 # runs the suite is small and shared, so the slack is wide; "never" is what it catches.
 CUT_OFF_S = PHASE_TIMEOUT_S + 3.0
 QUICK_S = 5.0  # "answered quickly": refused or served, not worked through for a minute
-LIVEZ_P99_S = 0.25  # /livez while the edge is under attack
+# /livez p99 while the edge is under attack, over at least 100 polls. Not 250 ms: on the 2 shared
+# cores this suite runs on (load average 6-14) a minimal reference edge that refuses the floods
+# at once still saw single 0.4-0.6 s scheduling spikes; today's stalls are 1.2-4.8 s.
+LIVEZ_P99_S = 0.5
 RSS_GROWTH_MIB = 64  # what an attack may leave the appliance's resident memory grown by
 FD_SLACK = 16  # open descriptors above the baseline once an attack is over

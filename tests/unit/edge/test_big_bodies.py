@@ -3,33 +3,22 @@ stall the loop: /livez, polled meanwhile, keeps its p99 under LIVEZ_P99_S."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
+from load.attacks import big_chat_body
 from load.honest import poll_livez_during
 from tests.support.stack import Stack
 from tests.unit.edge.limits import LIVEZ_P99_S
 
-BODY_BYTES = 15 * 1024 * 1024 + 512 * 1024  # under server.max_body_bytes (16 MiB)
 CONCURRENT = 4
-
-
-def big_chat_body(size: int = BODY_BYTES) -> bytes:
-    """A valid chat body of about `size` bytes made of many small messages (costly to parse)."""
-    message = {"role": "user", "content": "x"}
-    one = len(json.dumps(message)) + 2
-    body = json.dumps({"messages": [message] * ((size - 64) // one), "max_tokens": 1}).encode()
-    assert len(body) <= size
-    return body
 
 
 @pytest.mark.xfail(strict=True, reason="issue 9 #9: bodies are parsed on the event loop")
 def test_four_big_bodies_at_once_keep_livez_fast(stack: Stack) -> None:
     """#9: four ~15.5 MiB JSON bodies at once; /livez p99 <= LIVEZ_P99_S, no poll fails and
     no big body gets a 5xx."""
-    body = big_chat_body()
+    body = big_chat_body()  # ~15.5 MiB, under server.max_body_bytes (16 MiB)
     statuses: list[int] = []
 
     def send() -> None:

@@ -5,26 +5,35 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 
 import pytest
 
 from load.honest import poll_livez_during
 from load.procstat import MIB, PeakSampler
-from load.rawclient import Conn, Reply, Stalled, request_head
+from load.rawclient import Conn, HeaderItem, Reply, Stalled, request_head
 from tests.support.stack import Stack
 from tests.unit.edge.limits import LIVEZ_P99_S, QUICK_S, RSS_GROWTH_MIB
 
 REFUSED = (None, 431)  # a 431, or the connection closed before the app saw the request
 
 
-def _livez_with(stack: Stack, headers: list[tuple[str, str]] | bytes) -> Reply:
-    """GET /livez carrying `headers` (or raw header bytes), sent whole; the reply or hang-up."""
-    extra = headers if isinstance(headers, bytes) else b""
-    head = request_head("GET", "/livez", stack.target, [] if extra else headers)
-    raw = head[:-2] + extra + b"\r\n"  # raw header lines go before the blank line
+def _livez_request(stack: Stack, headers: Sequence[HeaderItem] | bytes) -> bytes:
+    """GET /livez carrying `headers` (or raw header lines)."""
+    if isinstance(headers, bytes):  # raw header lines go before the blank line
+        return request_head("GET", "/livez", stack.target)[:-2] + headers + b"\r\n"
+    return request_head("GET", "/livez", stack.target, headers)
+
+
+def _send(stack: Stack, raw: bytes) -> Reply:
+    """Send it whole (a hang-up part way through is a refusal); the reply or the hang-up."""
     with Conn(stack.target, timeout_s=QUICK_S) as conn:
-        conn.send(raw, timeout_s=QUICK_S)  # a hang-up part way through is a refusal
+        conn.send(raw, timeout_s=QUICK_S)
         return conn.reply(QUICK_S)
+
+
+def _livez_with(stack: Stack, headers: Sequence[HeaderItem] | bytes) -> Reply:
+    return _send(stack, _livez_request(stack, headers))
 
 
 def _many_headers(count: int) -> bytes:
@@ -54,11 +63,11 @@ def test_two_hundred_thousand_headers_are_refused_quickly(stack: Stack) -> None:
 def test_header_floods_keep_memory_bounded_and_livez_fast(stack: Stack) -> None:
     """#3: four 64 MiB headers at once: the appliance's RSS grows by at most RSS_GROWTH_MIB and
     /livez (polled meanwhile) keeps its p99 under LIVEZ_P99_S."""
-    flood = [("X-Big", "a" * (64 * MIB))]
+    flood = _livez_request(stack, [("X-Big", "a" * (64 * MIB))])  # built before: no GIL hog
 
     def attack() -> None:
         with contextlib.suppress(Stalled):  # a server that stops reading is judged below
-            _livez_with(stack, flood)
+            _send(stack, flood)
 
     before = stack.usage()
     with PeakSampler(stack.pid) as sampler:
