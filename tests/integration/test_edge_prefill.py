@@ -1,0 +1,57 @@
+"""A legitimate long prefill is not a hung engine (issue 9 #1), against the real vLLM CPU worker.
+
+One boot, with the watchdog set short (stall 5 s, canary 3 s) so that the longest prompt the
+window allows meets it: on two CPU cores its prefill sends no byte for far longer than that.
+(That a SIGSTOPped EngineCore is still declared hung is test_watchdog.py's.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.harness import Appliance, running_appliance
+
+WINDOW = 2048  # the harness's engine.max_model_len
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    with running_appliance(Path(tmp_path_factory.mktemp("prefill")),
+                           supervisor__stall_timeout_s="5",
+                           supervisor__canary_timeout_s="3") as appliance:
+        appliance.wait_ready()
+        yield appliance
+
+
+def _prompt_of(appliance: Appliance, tokens: int) -> str:
+    """Text that the worker's own tokenizer counts as exactly `tokens` tokens."""
+    engine = f"http://127.0.0.1:{appliance.engine_port}"
+    model = httpx.get(f"{appliance.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    ids = httpx.post(f"{engine}/tokenize", json={"model": model, "prompt": "hello world " * tokens,
+                                                  "add_special_tokens": False},
+                     timeout=60).json()["tokens"][:tokens]
+    text = str(httpx.post(f"{engine}/detokenize", json={"model": model, "tokens": ids},
+                          timeout=60).json()["prompt"])
+    count = httpx.post(f"{engine}/tokenize", json={"model": model, "prompt": text},
+                       timeout=60).json()["count"]
+    assert abs(count - tokens) <= 2, count
+    return text
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 #1: a long prefill is declared a hang")
+def test_the_longest_prompt_the_window_allows_is_answered_by_the_same_worker(
+        watched: Appliance) -> None:
+    """#1: a completions prompt of window - 16 tokens (the worker's tokenizer) with the stall
+    and canary timeouts at 5 s and 3 s: 200, the worker pid and the restart count unchanged."""
+    watched.wait_ready()
+    before = watched.health().json()
+    prompt = _prompt_of(watched, WINDOW - 16)
+    response = httpx.post(f"{watched.url}/v1/completions", timeout=600,
+                          json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    after = watched.health().json()
+    assert response.status_code == 200, response.text[:300]
+    assert (after["pid"], after["restarts"]) == (before["pid"], before["restarts"]), after
