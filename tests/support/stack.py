@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +86,17 @@ class Stack:
                 if isinstance(event, dict):
                     events.append(event)
         return events
+
+    def wait_for_event(self, predicate: Callable[[dict[str, object]], bool],
+                       within_s: float = 5.0) -> dict[str, object] | None:
+        """The first log event that satisfies `predicate`, polled for (a line about a request
+        may be written just after its answer went out); None if none came in time."""
+        deadline = time.monotonic() + within_s
+        while True:
+            found = next((event for event in self.log_events() if predicate(event)), None)
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_lines()[-lines:])
