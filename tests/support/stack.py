@@ -65,6 +65,11 @@ class Stack:
     def log_lines(self) -> list[str]:
         return self.log_path.read_text(errors="replace").splitlines()
 
+    def quiet_log_length(self, quiet_s: float = 0.5, within_s: float = 5.0) -> int:
+        """How many lines the log has once it has stopped growing (earlier requests' worker
+        output may still be on its way in)."""
+        return len(self.new_log_lines(0, quiet_s, within_s))
+
     def new_log_lines(self, since: int, quiet_s: float = 0.5, within_s: float = 5.0) -> list[str]:
         """The log lines after the first `since`, once the log has been quiet for `quiet_s`
         (the worker's output is pumped into it asynchronously)."""
@@ -139,7 +144,7 @@ def _env(settings: Mapping[str, object], port: int, engine_port: int,
 
 @contextlib.contextmanager
 def running_stack(log_dir: Path, settings: Mapping[str, object] | None = None,
-                  upstream_args: Sequence[str] = ("--faults", "--vllm-budget")) -> Iterator[Stack]:
+                  upstream_args: Sequence[str] = ("--faults",)) -> Iterator[Stack]:
     """Boot serve over the synthetic worker, wait until /health is 200, stop both at the end."""
     port, engine_port = free_port(), free_port()
     log_path = log_dir / "serve.log"

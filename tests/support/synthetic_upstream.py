@@ -7,7 +7,8 @@ count, as vLLM names it, and how often /tokenize and generation were called) and
 X-Request-Id it was sent, as vLLM makes it.
 
 Options that make it behave like the real worker where tests need it to:
-  --faults       a prompt or message holding REJECT_MARKER gets vLLM's own 400 shape (an integer
+  --faults       a prompt or message holding REJECT_MARKER, or a `prompt_embeds` (vLLM refuses it
+                 unless started with --enable-prompt-embeds), gets vLLM's own 400 shape (an integer
                  code, type "BadRequestError"); one holding CRASH_MARKER, or a `structured_outputs`
                  that is not an object (vLLM 0.32 crashes on `true`), gets vLLM's 500 and then the
                  connection is dropped without notice, a moment later (CRASH_CLOSE_DELAY_S), as a
@@ -176,6 +177,10 @@ def _vllm_fault(request: dict[str, Any]) -> dict[str, Any] | None:
     if CRASH_MARKER in text or (structured is not None and not isinstance(structured, dict)):
         return {"error": {"message": "'bool' object has no attribute 'get'",
                           "type": "InternalServerError", "param": None, "code": 500}}
+    if request.get("prompt_embeds") is not None:  # vLLM without --enable-prompt-embeds
+        return {"error": {"message": "You must set `--enable-prompt-embeds` to input "
+                                     "`prompt_embeds`.", "type": "BadRequestError",
+                          "param": "prompt_embeds", "code": 400}}
     if REJECT_MARKER in text:
         return {"error": {"message": "1 validation error for ChatCompletionRequest\n  Value "
                                      "error, synthetic rejection [type=value_error]",

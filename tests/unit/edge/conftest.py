@@ -16,9 +16,9 @@ def boot(factory: pytest.TempPathFactory, upstream_args: Sequence[str] = (),
          **overrides: object) -> Iterator[Stack]:
     """The appliance with the edge limits, `overrides` (dotted keys as `policy__max_inflight`)
     on top; only the settings this tree knows are passed. The synthetic worker behaves like
-    vLLM (--faults --vllm-budget), plus `upstream_args`."""
+    vLLM (--faults), plus `upstream_args`."""
     wanted = EDGE_LIMITS | {key.replace("__", "."): value for key, value in overrides.items()}
-    args = ("--faults", "--vllm-budget", *upstream_args)
+    args = ("--faults", *upstream_args)
     with running_stack(factory.mktemp("edge"), known_settings(wanted), args) as stack:
         yield stack
 

@@ -1,7 +1,7 @@
 """A test-only appliance with a fault injected behind two routes, served as serve serves it.
 
-`alive()` raises (so GET /livez meets an unhandled exception) and the engine view's
-note_request raises (so a chat request meets one inside the proxy). The process logs through
+`alive()` raises (so GET /livez meets an unhandled exception) and the engine view's on_lost
+raises (so a chat request meets one where the relay subscribes to the engine's loss). The process logs through
 the supervisor's own logging set-up, as JSON lines on stderr.
 
 Run: python -m tests.unit.edge.faulty_app --port 8000 --upstream http://127.0.0.1:8100
@@ -10,6 +10,7 @@ Run: python -m tests.unit.edge.faulty_app --port 8000 --upstream http://127.0.0.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -26,8 +27,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class FaultyEngine(FakeEngine):
-    def note_request(self, delta: int) -> None:
-        raise InjectedFault("injected fault in note_request")
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        raise InjectedFault("injected fault in on_lost")
 
 
 def _dead_alive() -> bool:

@@ -12,12 +12,12 @@ from __future__ import annotations
 PHASE_TIMEOUT_S = 2.0  # header read, body read, idle: short, so the tests are short
 
 EDGE_LIMITS: dict[str, object] = {
-    "server.header_read_timeout_s": PHASE_TIMEOUT_S,  # request line and headers, in total
-    "server.body_read_timeout_s": PHASE_TIMEOUT_S,  # the whole body, in total
-    "server.idle_timeout_s": PHASE_TIMEOUT_S,  # a connection with no request in progress
+    "server.header_timeout_s": PHASE_TIMEOUT_S,  # request line and headers, in total
+    "server.body_timeout_s": PHASE_TIMEOUT_S,  # the whole body, in total
+    "server.idle_timeout_s": int(PHASE_TIMEOUT_S),  # a connection with no request in progress
     "server.max_connections": 512,
     "server.max_header_bytes": 32 * 1024,
-    "server.max_header_count": 100,
+    "server.max_headers": 100,
 }
 
 # A timed-out phase ends (hang-up or 408) within its timeout plus this much: the machine that

@@ -16,7 +16,6 @@ PROMPTS = 10_000
 MAX_TOKENIZE_CALLS = 2  # a batch is counted in one call, or refused before any
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #8: one /tokenize call per prompt, in sequence")
 @pytest.mark.parametrize("prompt", [["abcd"] * PROMPTS, [[17]] * PROMPTS],
                          ids=["strings", "token-ids"])
 def test_a_ten_thousand_prompt_batch_is_settled_quickly_with_bounded_tokenize_calls(

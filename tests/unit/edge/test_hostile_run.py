@@ -35,7 +35,6 @@ def test_a_hostile_run_reports_every_attack(run: subprocess.CompletedProcess[str
     assert "baseline" in run.stdout and ("ok" in run.stdout or "OVER BOUND" in run.stdout)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2, #4: held connections keep their descriptors")
 def test_the_appliance_sheds_a_hostile_run_on_its_own(run: subprocess.CompletedProcess[str],
                                                      stack: Stack) -> None:
     """#2/#3/#4/#9: after each attack, with the attacker still holding its connections, RSS is

@@ -33,7 +33,6 @@ def _hung_up_within(conn: Conn, seconds: float) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #4: silent connections are held for ever")
 def test_silent_connections_are_closed_after_the_idle_timeout(stack: Stack) -> None:
     """#4: 200 connections that never send a byte are all closed within the idle timeout
     (+ slack), and the appliance's descriptors return to where they were."""
@@ -47,7 +46,6 @@ def test_silent_connections_are_closed_after_the_idle_timeout(stack: Stack) -> N
     assert after.fds <= before.fds + FD_SLACK, f"fds {before.fds} -> {after.fds}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #4: keep-alive is 30 s, not the idle timeout")
 def test_a_kept_alive_connection_is_closed_after_the_idle_timeout(stack: Stack) -> None:
     """#4: after a served request, a connection left idle is closed within the idle timeout."""
     with Conn(stack.target) as conn:

@@ -62,7 +62,6 @@ def _assert_cut_off(conns: list[Conn], started: float) -> None:
         assert outcome.status in (None, 408), f"answered {outcome.status}, not a 408 or a hang-up"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: the slot is taken before the body is read")
 def test_stalled_bodies_take_no_admission_slot(stack: Stack) -> None:
     """#2: twice as many stalled bodies as slots, and an honest request is still served (200)."""
     with stalled_bodies(stack, SLOW):
@@ -73,7 +72,6 @@ def test_stalled_bodies_take_no_admission_slot(stack: Stack) -> None:
         assert honest.status_code == 200, honest.text
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: no time limit on reading a body")
 def test_stalled_bodies_are_cut_off_within_the_body_timeout(stack: Stack) -> None:
     """#2: a body that stops arriving ends in a hang-up or 408 within the timeout (+ slack), and
     nothing stays in flight."""
@@ -83,7 +81,6 @@ def test_stalled_bodies_are_cut_off_within_the_body_timeout(stack: Stack) -> Non
     assert _in_flight(stack) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: no time limit on reading a body")
 def test_a_trickled_body_is_cut_off_within_the_body_timeout(stack: Stack) -> None:
     """#2: a byte every 0.2 s keeps a per-read timer happy; the body's total time is bounded."""
     with Conn(stack.target) as conn:
@@ -94,7 +91,6 @@ def test_a_trickled_body_is_cut_off_within_the_body_timeout(stack: Stack) -> Non
         _assert_cut_off([conn], started)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: no time limit on reading headers")
 def test_stalled_headers_are_cut_off_within_the_header_timeout(stack: Stack) -> None:
     """#2: a request line and half the headers, then nothing: hang-up or 408 in time."""
     started = time.monotonic()
@@ -105,7 +101,6 @@ def test_stalled_headers_are_cut_off_within_the_header_timeout(stack: Stack) -> 
         _assert_cut_off(conns, started)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: no time limit on reading headers")
 def test_trickled_headers_are_cut_off_within_the_header_timeout(stack: Stack) -> None:
     """#2: slowloris: one more header line every 0.2 s, for ever; the head's total time is
     bounded."""

@@ -83,7 +83,6 @@ def _traceback_lines(lines: list[str]) -> list[str]:
             or "InjectedFault" in line]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #6: Litestar's own 500 shape, nothing logged")
 @pytest.mark.parametrize(("method", "path"), [("GET", "/livez"), ("POST", "/v1/chat/completions")])
 def test_an_unhandled_exception_is_a_500_in_the_openai_shape_logged_once(
         faulty: Faulty, method: str, path: str) -> None:
