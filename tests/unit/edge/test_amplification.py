@@ -22,8 +22,8 @@ def test_a_ten_thousand_prompt_batch_is_settled_quickly_with_bounded_tokenize_ca
         stack: Stack, prompt: list[object]) -> None:
     """#8: a budget over the window makes the worker refuse and the gate count the prompts:
     the answer (a clamp, or a 400 in the OpenAI shape) comes within QUICK_S and costs at most
-    MAX_TOKENIZE_CALLS calls to the worker's /tokenize. (Its own module: today the gate keeps
-    calling /tokenize after this client has given up.)"""
+    MAX_TOKENIZE_CALLS calls to the worker's /tokenize. (Its own module: on 64a2e0c the gate kept
+    calling /tokenize after this client had given up.)"""
     before = stack.engine_counter("synthetic_tokenize_calls_total")
     started = time.monotonic()
     try:

@@ -65,7 +65,7 @@ def _assert_cut_off(conns: list[Conn], started: float) -> None:
 def test_stalled_bodies_take_no_admission_slot(stack: Stack) -> None:
     """#2: twice as many stalled bodies as slots, and an honest request is still served (200)."""
     with stalled_bodies(stack, SLOW):
-        deadline = time.monotonic() + 1.0  # until the heads are read: the gauge says so today
+        deadline = time.monotonic() + 1.0  # until the heads are read (a slot-first gate shows it)
         while _in_flight(stack) < MAX_INFLIGHT and time.monotonic() < deadline:
             time.sleep(0.05)
         honest = httpx.post(f"{stack.url}/v1/chat/completions", json=CHAT, timeout=10)

@@ -52,7 +52,7 @@ def test_a_worker_crash_is_logged_compactly(stack: Stack) -> None:
 
 def test_a_field_the_worker_crashes_on_is_a_400_naming_it(stack: Stack) -> None:
     """#6/#7: `structured_outputs: true` (vLLM 0.32 crashes on it: 500) is checked at the gate,
-    a 400 naming the field. Last in the module: today the crash poisons the next request."""
+    a 400 naming the field. Last in the module: on 64a2e0c the crash poisoned the next request."""
     body = CHAT | {"structured_outputs": True}
     response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text[:300]
