@@ -4,8 +4,9 @@ Run: python -m load.hostile --url http://127.0.0.1:8000 --pid <serve's pid> [--s
 
 Each attack of load.attacks runs in turn while an honest client polls /livez and sends a small
 chat request every half second. The attacker then keeps every connection it opened for
---settle seconds, and the appliance's RSS and open descriptors are read: by then the appliance
-must have shed what it was sent (timeouts, caps, limits) on its own. A table says, per attack,
+--settle seconds (default 35: past the appliance's longest phase timeout, body_timeout_s 30),
+and the appliance's RSS and open descriptors are read: by then the appliance must have shed
+what it was sent (timeouts, caps, limits) on its own. A table says, per attack,
 what came back, what the honest client saw, and RSS/fds before -> peak -> after.
 
 The steady state is bounded: after each attack (connections still held by the attacker) RSS may
@@ -116,8 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, required=True, help="pid of chat-appliance serve")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink counts and sizes")
     parser.add_argument("--hold", type=float, default=10.0, help="seconds slow/idle attackers wait")
-    parser.add_argument("--settle", type=float, default=10.0,
-                        help="seconds after each attack before the steady state is read")
+    parser.add_argument("--settle", type=float, default=35.0,
+                        help="seconds after each attack before the steady state is read; longer "
+                        "than the appliance's longest phase timeout (server.body_timeout_s, 30)")
     parser.add_argument("--rss-growth-mib", type=float, default=128.0)
     parser.add_argument("--fd-slack", type=int, default=16)
     parser.add_argument("--api-key", default=None)
