@@ -81,6 +81,23 @@ def test_stalled_bodies_are_cut_off_within_the_body_timeout(stack: Stack) -> Non
     assert _in_flight(stack) == 0
 
 
+@pytest.mark.xfail(strict=True, reason="issue 9 #2: the 408 keeps the connection open (keep-alive "
+                                        "with the body unread, until the idle timeout)")
+def test_a_body_timeout_ends_the_connection(stack: Stack) -> None:
+    """#2: the 408 for a stalled body closes the connection (the rest of the body is unread, so
+    nothing more on it can be parsed as a request): it says `Connection: close` or the server
+    hangs up within a second, rather than holding the descriptor for an idle timeout more."""
+    with stalled_bodies(stack, 1) as (conn,):
+        answer = conn.reply(CUT_OFF_S)
+        assert answer.status == 408, answer.status
+        if "close" in answer.headers.get("connection", "").lower():
+            return
+        try:
+            assert conn.reply(1.0).hung_up, "another answer on a connection with a body unread"
+        except Stalled:
+            pytest.fail("the connection stayed open after the 408")
+
+
 def test_a_trickled_body_is_cut_off_within_the_body_timeout(stack: Stack) -> None:
     """#2: a byte every 0.2 s keeps a per-read timer happy; the body's total time is bounded."""
     with Conn(stack.target) as conn:
