@@ -68,12 +68,20 @@ class MethodNotAllowed(ApiError):
     kind = "invalid_request_error"
 
 
-class RequestTimeout(ApiError):
+class _BodyLeftUnread(ApiError):
+    """The request's body was not read to its end: the connection cannot carry another
+    request, so the answer closes it."""
+
+    def headers(self) -> dict[str, str]:
+        return super().headers() | {"Connection": "close"}
+
+
+class RequestTimeout(_BodyLeftUnread):
     status = 408
     kind = "invalid_request_error"
 
 
-class PayloadTooLarge(ApiError):
+class PayloadTooLarge(_BodyLeftUnread):
     status = 413
     kind = "invalid_request_error"
 

@@ -59,20 +59,26 @@ class Gate:
         self._rules = settings.policy
         self._budget = budget
         self._multimodal = _is_multimodal(settings)
+        self._big_bodies = asyncio.Semaphore(1)
 
     async def vet(self, raw: bytes, api: GenerationApi) -> Vetted:
-        if len(raw) > self._settings.server.parse_in_thread_bytes:
+        if len(raw) <= self._settings.server.parse_in_thread_bytes:
+            return self.vet_now(raw, api)
+        # One big body at a time: a parse holds the GIL, and the event loop must get it back
+        # between two of them.
+        async with self._big_bodies:
             return await asyncio.to_thread(self.vet_now, raw, api)
-        return self.vet_now(raw, api)
 
     def vet_now(self, raw: bytes, api: GenerationApi) -> Vetted:
         """Every rule that needs only the body; raises the first refusal as an ApiError."""
         rules = self._rules
+        if api.prompt == "messages":
+            _check_message_count(raw, rules.max_messages)
         body = policy.parse_json(raw)
         api.validate(body)
         check_fields(body, api.fields)
         policy.check_n(body, rules.max_n)
-        _check_fanout(body, rules.max_batch_prompts)
+        _check_fanout(body, rules.max_batch_prompts, rules.max_messages)
         changed = False
         if api.find_media is not None:
             policy.check_media(api.find_media(body), multimodal=self._multimodal,
@@ -99,8 +105,25 @@ class Gate:
                  applied=clamp.applied, defaulted=clamp.defaulted)
 
 
-def _check_fanout(body: dict[str, Any], max_prompts: int) -> None:
-    """A batch of prompts is bounded: each one is a sequence for the engine to prefill."""
+def _check_message_count(raw: bytes, max_messages: int) -> None:
+    """Refuse an absurd number of messages before parsing them (parsing costs the loop).
+
+    Every message has a "role" key, and inside a JSON string a quote is escaped, so counting
+    `"role"` in the raw bytes bounds the message count from above, at memchr speed. The exact
+    count is checked again once parsed."""
+    if raw.count(b'"role"') > max_messages:
+        raise BadRequest(f"'messages' holds more than {max_messages} messages (setting "
+                         "policy.max_messages).", param="messages", code="too_many_messages")
+
+
+def _check_fanout(body: dict[str, Any], max_prompts: int, max_messages: int) -> None:
+    """A batch of prompts is bounded: each one is a sequence for the engine to prefill; and so
+    is a conversation."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > max_messages:
+        raise BadRequest(f"'messages' holds {len(messages)} messages; at most {max_messages} "
+                         "are accepted (setting policy.max_messages).", param="messages",
+                         code="too_many_messages")
     prompts = body.get("prompt")
     if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) \
             and len(prompts) > max_prompts:

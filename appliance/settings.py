@@ -126,6 +126,7 @@ class PolicySettings(_Group):
     default_max_tokens: int | None = Field(None, ge=1)
     max_inflight: int = Field(64, ge=1)
     max_batch_prompts: int = Field(256, ge=1)
+    max_messages: int = Field(4096, ge=1)
     max_counted_prompts: int = Field(16, ge=1)
     multimodal: Literal["auto", "on", "off"] = "auto"
     max_images: int = Field(4, ge=0)

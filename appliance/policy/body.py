@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -15,6 +16,9 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "fun
 # OpenAI lets these roles carry "content": null (an assistant turn made only of tool calls).
 NULLABLE_CONTENT_ROLES = frozenset({"assistant", "function"})
 TOOL_CHOICES = frozenset({"none", "auto", "required"})
+_UNREADABLE = object()
+_MAX_DEPTH = 64
+_TOP = re.compile(r"^[^.\[]+")
 _AT_BYTE = re.compile(r"\(byte (\d+)\)")
 MAX_COUNT = 2**63 - 1  # what the engine can hold; a larger count is a typo, not a request
 
@@ -33,10 +37,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         value = msgspec.json.decode(raw)
     except RecursionError as exc:
         raise _invalid_json("The request body is nested too deeply to parse.") from exc
-    except msgspec.ValidationError as exc:  # a number out of range: 1e999
-        raise _invalid_json(f"The request body holds a number JSON cannot carry: {exc}.") from exc
-    except msgspec.DecodeError as exc:
-        raise _invalid_json(f"The request body is not valid JSON: {_describe(raw, exc)}.") from exc
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _diagnose(raw, exc) from exc
     if not isinstance(value, dict):
         raise _invalid_json(f"The request body must be a JSON object, not {_kind(value)}.")
     return value
@@ -255,7 +257,58 @@ def _is_token(value: Any) -> bool:
     return _is_int(value) and value >= 0
 
 
-def _describe(raw: bytes, exc: msgspec.DecodeError) -> str:
+def _diagnose(raw: bytes, exc: msgspec.MsgspecError) -> BadRequest:
+    """What is wrong with a body msgspec refused, naming the field where there is one.
+
+    Only on this error path the body is read again, leniently (Python's json accepts lone
+    surrogates and 1e999), to find the first value the engine could not take and its path.
+    """
+    try:
+        lenient = json.loads(raw)
+    except (ValueError, RecursionError):
+        lenient = _UNREADABLE
+    found = _first_bad_value(lenient, "") if lenient is not _UNREADABLE else None
+    if found is None:
+        if isinstance(exc, msgspec.ValidationError):
+            return _invalid_json(f"The request body holds a number JSON cannot carry: {exc}.")
+        return _invalid_json(f"The request body is not valid JSON: {_describe(raw, exc)}.")
+    path, what = found
+    top = _TOP.match(path)
+    return BadRequest(f"The request body is not valid JSON: '{path}' {what}.",
+                      param=top.group(0) if top else path, code="invalid_json")
+
+
+def _first_bad_value(value: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
+    """(path, why) of the first string with a lone surrogate or non-finite number."""
+    if depth > _MAX_DEPTH:
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "$", "is not a finite number (NaN, Infinity or beyond a double)"
+    if isinstance(value, str):
+        return (path or "$", "holds a lone surrogate escape") if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if _has_surrogate(key):
+                return path or "$", "has a key with a lone surrogate escape"
+            if (found := _first_bad_value(item, where, depth + 1)) is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (found := _first_bad_value(item, f"{path}[{index}]", depth + 1)) is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _describe(raw: bytes, exc: msgspec.MsgspecError) -> str:
     """msgspec's reason with its byte offset turned into a line and column a person can find."""
     text = str(exc).removeprefix("JSON is malformed: ")
     match = _AT_BYTE.search(text)

@@ -78,7 +78,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
 
 
 class ChatFields(_Common):
-    messages: list[Object | str] | None = None
+    # messages are checked by body.validate_chat, part by part, with better messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -99,7 +99,7 @@ class ChatFields(_Common):
 
 
 class CompletionFields(_Common):
-    prompt: str | list[Any] | None = None
+    # the prompt is checked by body.validate_completion
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None

@@ -25,8 +25,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield running
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #9: /livez p99 0.7-1.3 s during four 15.5 MiB "
-                                "bodies on main 80a5f15 (2 shared cores, load 17-26)")
+
 def test_four_big_bodies_at_once_keep_livez_fast(stack: Stack) -> None:
     """#9: four ~15.5 MiB JSON bodies at once; /livez p99 <= LIVEZ_P99_S, no poll fails and
     no big body gets a 5xx."""

@@ -81,8 +81,6 @@ def test_stalled_bodies_are_cut_off_within_the_body_timeout(stack: Stack) -> Non
     assert _in_flight(stack) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 #2: the 408 keeps the connection open (keep-alive "
-                                        "with the body unread, until the idle timeout)")
 def test_a_body_timeout_ends_the_connection(stack: Stack) -> None:
     """#2: the 408 for a stalled body closes the connection (the rest of the body is unread, so
     nothing more on it can be parsed as a request): it says `Connection: close` or the server
