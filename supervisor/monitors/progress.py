@@ -13,7 +13,8 @@ what does move is the engine processes' CPU time. So the verdicts are:
   waiting for a core, so it is never mistaken for a stopped one;
 - slow: busy and still no counter movement after 3x the longest step this appliance has seen
   complete (at least `hang_busy_floor_s`): running but getting nowhere (a loop, a wedged GPU);
-- idle: nothing to do for `canary_interval_s`: a 1-token canary must answer in time.
+- idle: nothing to do for `canary_interval_s`: a 1-token canary must answer in time, or the
+  engine must at least be seen running meanwhile (starved, not stopped).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class ProgressMonitor:
         self.stats = stats
         if not stats.busy:
             self._counters, self._last_progress = stats.progress, now
-            return await self._idle_canary(now)
+            return await self._idle_canary(now, worker)
         if stats.progress != self._counters:
             stretch = now - self._last_progress
             if self._counters is not None:
@@ -164,14 +165,25 @@ class ProgressMonitor:
                              f"the longest step seen ({self.longest_step_s:.0f}s)")
         return None
 
-    async def _idle_canary(self, now: float) -> ExitCause | None:
+    async def _idle_canary(self, now: float, worker: Worker) -> ExitCause | None:
         if now - self._last_canary < self._sup.canary_interval_s:
             return None
         self._last_canary = now
+        before = self._activity(worker)
         if await self._prober.canary(self._sup.canary_timeout_s):
             return None
+        # No answer in time: a stopped engine, or a starved one still working on it (seen
+        # here at load 26 on two cores). Only the first is a hang.
+        after = self._activity(worker)
+        timeout = self._sup.canary_timeout_s
+        if before is not None and after is not None and (
+                after.runnable or after.cpu_s - before.cpu_s >= self._sup.hang_cpu_floor * timeout):
+            log.warning("engine.slow_canary", timeout_s=timeout,
+                        cpu_s=round(after.cpu_s - before.cpu_s, 2), runnable=after.runnable)
+            return None
         return ExitCause("running", ExitReason.HUNG,
-                         f"idle, and a 1-token canary did not answer in {self._sup.canary_timeout_s:g}s")
+                         f"idle, and a 1-token canary did not answer in {timeout:g}s "
+                         "while the engine used no CPU")
 
     def _sample(self, now: float, activity: Activity | None) -> None:
         if activity is None:

@@ -132,6 +132,12 @@ async def test_an_idle_engine_gets_a_canary_each_interval_and_one_that_fails_is_
     assert after <= 30
 
 
+async def test_a_slow_canary_from_a_starved_but_running_engine_is_not_a_hang() -> None:
+    engine, clock = Engine(decodes=False), Clock()  # no answer in time, but it runs
+    _, cause = await run_for(40, monitor(engine, clock), engine, clock, cpu_per_s=0.05)
+    assert cause is None and engine.canaries >= 1
+
+
 async def test_a_changed_process_set_is_not_read_as_an_idle_cpu() -> None:
     engine, clock = Engine(busy=True, cpu=None), Clock()  # the reader says: deltas would lie
     _, cause = await run_for(30, monitor(engine, clock), engine, clock)
