@@ -17,6 +17,7 @@ from appliance.status import StatusSources, status_document
 
 QUIET = {"quiet": True}  # the page polls: an access line each would drown the log
 _ASSETS = {"index.html": "text/html; charset=utf-8",
+           "chart.js": "text/javascript; charset=utf-8",
            "status.js": "text/javascript; charset=utf-8",
            "status.css": "text/css; charset=utf-8"}
 # The page may load only its own script, style and data: no CDN, nothing inline, no frames.
@@ -41,7 +42,7 @@ def data_routes(sources: StatusSources) -> list[HTTPRouteHandler]:
 
 
 def page_routes() -> list[HTTPRouteHandler]:
-    """The shell and its two assets; open, since they hold no data."""
+    """The shell and its assets; open, since they hold no data."""
     assets = {name: files("appliance").joinpath("ui", name).read_bytes() for name in _ASSETS}
 
     def asset(name: str) -> Response[bytes]:
@@ -55,8 +56,12 @@ def page_routes() -> list[HTTPRouteHandler]:
     def script() -> Response[bytes]:
         return asset("status.js")
 
+    @get("/ui/chart.js", sync_to_thread=False)
+    def chart() -> Response[bytes]:
+        return asset("chart.js")
+
     @get("/ui/status.css", sync_to_thread=False)
     def style() -> Response[bytes]:
         return asset("status.css")
 
-    return [page, script, style]
+    return [page, script, chart, style]

@@ -13,7 +13,7 @@ from tests.unit.appliance.fakes import FakeEngine
 pytestmark = pytest.mark.anyio
 KEY = "sk-routes-test-key"
 # /livez for liveness probes; the status page's shell and assets, which hold no data.
-OPEN_ALWAYS = {"/livez", "/", "/ui/status.js", "/ui/status.css"}
+OPEN_ALWAYS = {"/livez", "/", "/ui/status.js", "/ui/chart.js", "/ui/status.css"}
 OPS = {"/health", "/metrics", "/status.json"}
 
 

@@ -39,9 +39,10 @@ async def test_the_shell_loads_only_its_own_assets_under_a_strict_policy() -> No
     assert "default-src 'self'" in page.headers["content-security-policy"]
     html = page.text
     referenced = re.findall(r'(?:src|href)="([^"]+)"', html)
-    assert set(referenced) == {"/ui/status.css", "/ui/status.js", "data:,"}
+    assert set(referenced) == {"/ui/status.css", "/ui/status.js", "/ui/chart.js", "data:,"}
     assert "<script>" not in html and "style=" not in html  # the policy would block them
-    for path, kind in (("/ui/status.js", "text/javascript"), ("/ui/status.css", "text/css")):
+    for path, kind in (("/ui/status.js", "text/javascript"), ("/ui/chart.js", "text/javascript"),
+                       ("/ui/status.css", "text/css")):
         asset = await get(app, path)
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
         assert not re.search(r"https?://", asset.text), f"{path} reaches outside the appliance"
