@@ -63,7 +63,7 @@
     backoff: "the engine stopped and restarts after a short pause; requests get 503 with Retry-After",
     stopping: "the engine is being stopped; requests get 503 with Retry-After",
     unhealthy: "the engine is not answering its health checks",
-    failed: "the engine failed too often and is not being restarted for now (see the last exits)",
+    failed: "the engine is not being restarted (a crash loop, or a GPU a restart cannot fix); see the last exits",
     draining: "the appliance is shutting down: requests in flight finish, new ones get 503",
     stopped: "the engine is stopped",
   };
@@ -148,6 +148,9 @@
       rows.push(["Utilisation", gpu.utilization_pct == null ? "–" : gpu.utilization_pct + " %"]);
       rows.push(["Slowdown", (gpu.slowdown_reasons || []).join(", ") || "none"]);
       rows.push(["Last Xid", gpu.last_xid == null ? "none" : String(gpu.last_xid)]);
+      const health = gpu.health || {};
+      rows.push(["Health", !health.action || health.action === "none" ? "ok" : health.action + ": " + health.cause]);
+      if ((gpu.warnings || []).length) rows.push(["Warnings", gpu.warnings.join("; ")]);
     }
     list.replaceChildren(...rows.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
   }
