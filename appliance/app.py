@@ -74,6 +74,8 @@ def create_app(
             yield
         finally:
             sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             await upstream.aclose()
 
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
