@@ -270,6 +270,7 @@ class EngineManager:
             await self._nap(tick)
 
     async def _stop_worker(self, worker: Worker, cause: ExitCause) -> ExitCause:
+        self._remember(self._serial, cause)  # /health tells why while the stop runs
         self._set_state(EngineState.STOPPING, cause.reason.value)
         pids = worker.tree_pids() | {worker.pid}
         report = await worker.stop(self._sup.stop_grace_s)

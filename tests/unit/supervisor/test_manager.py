@@ -257,6 +257,31 @@ async def test_consecutive_health_failures_restart_the_worker() -> None:
     await task
 
 
+async def test_the_cause_is_shown_while_the_worker_is_being_stopped() -> None:
+    """A monitor's verdict is in /health at once, not only after the grace period."""
+    clock, release = FakeClock(), asyncio.Event()
+
+    class SlowToStop(FakeWorker):
+        async def stop(self, grace_s: float) -> StopReport:
+            await release.wait()
+            return await super().stop(grace_s)
+
+    launcher = FakeLauncher(lambda pid: SlowToStop(pid))
+    manager = make_manager(launcher, clock, health_failures=1, canary_interval_s=10_000)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.healthy = False
+    await until(lambda: manager.state is EngineState.STOPPING)
+    snapshot = manager.snapshot()
+    assert snapshot["last_exit"]["reason"] == "unhealthy"
+    assert [e["reason"] for e in snapshot["recent_exits"]] == ["unhealthy"]
+    release.set()
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    assert len(manager.snapshot()["recent_exits"]) == 1
+    manager.request_stop()
+    await task
+
+
 async def test_a_busy_engine_that_stops_running_is_declared_hung_and_restarted() -> None:
     clock, launcher = FakeClock(), FakeLauncher()
     manager = make_manager(launcher, clock, hang_stall_s=5, canary_interval_s=10_000)
