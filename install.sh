@@ -284,7 +284,7 @@ ensure_state_dir() {
 # code changes by itself, so only pyproject.toml matters; a system install copies the code.
 appliance_source_hash() {
     if [[ "$MODE" == system ]]; then
-        (cd "$ROOT" && find pyproject.toml appliance supervisor -type f \( -name '*.py' -o -name '*.toml' \) -print0 |
+        (cd "$ROOT" && find pyproject.toml appliance supervisor -type f \( -name '*.py' -o -name '*.toml' -o -path '*/ui/*' \) -print0 |
             sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
     else
         sha256_of "$ROOT/pyproject.toml"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,11 +26,13 @@ from appliance.errors import (
 )
 from appliance.gate import Gate
 from appliance.metrics import RequestMetrics
+from appliance.recent import EngineReading, Recent
 from appliance.relay import RelayDeps
-from appliance.routes import guards, openai, ops
+from appliance.routes import guards, openai, ops, status
 from appliance.routes.openai import RouteDeps
 from appliance.settings import Settings
 from appliance.shapes import OPENAI, ErrorShape, encode
+from appliance.status import StatusSources
 from appliance.upstream import Upstream
 
 log = structlog.get_logger("appliance.app")
@@ -42,8 +45,12 @@ def create_app(
     registry: CollectorRegistry | None = None,
     admission: Admission | None = None,
     alive: Callable[[], bool] = lambda: True,
+    engine_reading: EngineReading = lambda: None,
 ) -> Litestar:
-    """Build the API around an engine view; nothing here reaches into the supervisor."""
+    """Build the API around an engine view; nothing here reaches into the supervisor.
+
+    `engine_reading` gives the worker's own counters as the supervisor last read them (the
+    status page's tokens/s and engine queue); without it those read as unknown."""
     metrics = RequestMetrics(registry or CollectorRegistry())
     admission = admission or Admission(settings.policy.max_inflight)
     metrics.in_flight.set_function(lambda: admission.in_flight)
@@ -54,14 +61,21 @@ def create_app(
 
     api = Router("/", route_handlers=openai.routes(RouteDeps(relay, settings.server)),
                  guards=[key_guard])
-    operations = Router("/", route_handlers=ops.guarded_routes(engine, metrics, admission),
+    recent = Recent(settings.status, metrics.ttft, lambda: admission.in_flight, engine_reading)
+    sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
+    operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
+                                             *status.data_routes(sources)],
                         guards=[key_guard] if settings.server.protect_ops_routes else [])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(recent.run())
         try:
             yield
         finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             await upstream.aclose()
 
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
@@ -78,7 +92,7 @@ def create_app(
                         headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
 
     return Litestar(
-        route_handlers=[api, operations, *ops.open_routes(alive)],
+        route_handlers=[api, operations, *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],

@@ -1,9 +1,10 @@
-"""Per-request context: the request id every log line and the worker carry."""
+"""Per-request context: the request id (and the client's W3C trace id) every log line carries."""
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterable
 
 import structlog
 from litestar.enums import ScopeType
@@ -14,11 +15,15 @@ _REQUEST_ID = b"x-request-id"
 # What a request id may be: short, and characters that survive a header, a log line and the
 # engine's completion id unchanged. Anything else is replaced, never echoed.
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+_TRACEPARENT = b"traceparent"
+# W3C Trace Context: version-traceid-parentid-flags, lower-case hex; version ff is invalid.
+_VALID_TRACEPARENT = re.compile(rb"(?!ff)[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 
 
 def request_context(app: ASGIApp) -> ASGIApp:
     """Take the client's X-Request-Id if it is sane (else make one), put the one in force back
-    in the scope's headers, and bind it into every log line of the request."""
+    in the scope's headers, and bind it into every log line of the request, with the trace id
+    of a valid `traceparent` (the worker gets the header itself and continues the trace)."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -31,7 +36,21 @@ def request_context(app: ASGIApp) -> ASGIApp:
             request_id = uuid.uuid4().hex
             scope["headers"] = [*(h for h in scope["headers"] if h[0] != _REQUEST_ID),
                                 (_REQUEST_ID, request_id.encode("ascii"))]
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        bound = {"request_id": request_id}
+        if (trace_id := _trace_id(scope["headers"])) is not None:
+            bound["trace_id"] = trace_id
+        with structlog.contextvars.bound_contextvars(**bound):
             await app(scope, receive, send)
 
     return middleware
+
+
+def _trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The trace id of the one valid traceparent header, else None (several: none is trusted)."""
+    given = [v for k, v in headers if k == _TRACEPARENT]
+    if len(given) != 1:
+        return None
+    match = _VALID_TRACEPARENT.fullmatch(given[0].strip())
+    if match is None or match.group(1).strip(b"0") == b"" or match.group(2).strip(b"0") == b"":
+        return None  # all-zero ids are invalid by the spec
+    return match.group(1).decode("ascii")

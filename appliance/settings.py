@@ -168,6 +168,16 @@ class GpuSettings(_Group):
     poll_interval_s: float = Field(5.0, gt=0)
 
 
+class StatusSettings(_Group):
+    """The status page at / and its data at /status.json: what the appliance remembers itself."""
+
+    sample_interval_s: float = Field(1.0, ge=0.1)
+    history_s: float = Field(600.0, gt=0, le=86400)
+    rate_window_s: float = Field(5.0, gt=0)
+    recent_exits: int = Field(5, ge=1, le=100)
+    refresh_s: float = Field(2.0, ge=0.5)
+
+
 class LoggingSettings(_Group):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -187,6 +197,7 @@ class Settings(BaseSettings):
     policy: PolicySettings = Field(default_factory=PolicySettings)
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     gpu: GpuSettings = Field(default_factory=GpuSettings)
+    status: StatusSettings = Field(default_factory=StatusSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

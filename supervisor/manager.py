@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -82,6 +82,10 @@ class EngineManager:
         self._started_at = clock()
         self._ready_since: float | None = None
         self._last_exit: ExitCause | None = None
+        # The last few workers' exits, newest last, each tagged with its worker's serial so
+        # that the early record (at the exit itself) and the full one replace each other.
+        self._exits: deque[tuple[int, ExitCause]] = deque(maxlen=settings.status.recent_exits)
+        self._serial = 0  # counts workers started
         self._recovery: dict[str, float] | None = None  # clock marks of the restart under way
         self._retry_at: float | None = None
         self.restart_counts: Counter[str] = Counter()
@@ -134,6 +138,7 @@ class EngineManager:
             "supervisor_uptime_s": round(now - self._started_at, 1),
             "restarts": self.restarts,
             "last_exit": self._last_exit.as_dict() if self._last_exit else None,
+            "recent_exits": [cause.as_dict() for _, cause in reversed(self._exits)],
             "gpu": self._gpu.summary() if self._gpu else {"status": "unavailable"},
         }
 
@@ -193,6 +198,7 @@ class EngineManager:
 
     async def _run_worker(self) -> ExitCause:
         self._retry_at = None
+        self._serial += 1
         self._set_state(EngineState.STARTING, "spawning worker")
         self._mark("spawned")
         try:
@@ -230,8 +236,8 @@ class EngineManager:
             self._fire_lost()
             phase: Phase = "boot" if self._state is EngineState.STARTING else "running"
             # /health shows the cause at once; the full record follows once the tree is reaped.
-            self._last_exit = process_exit(worker.returncode, phase)
-            self._set_state(EngineState.STOPPING, self._last_exit.detail)
+            cause = self._remember(self._serial, process_exit(worker.returncode, phase))
+            self._set_state(EngineState.STOPPING, cause.detail)
         self._wake.set()
 
     async def _boot(self, worker: Worker) -> ExitCause | None:
@@ -264,6 +270,7 @@ class EngineManager:
             await self._nap(tick)
 
     async def _stop_worker(self, worker: Worker, cause: ExitCause) -> ExitCause:
+        self._remember(self._serial, cause)  # /health tells why while the stop runs
         self._set_state(EngineState.STOPPING, cause.reason.value)
         pids = worker.tree_pids() | {worker.pid}
         report = await worker.stop(self._sup.stop_grace_s)
@@ -278,7 +285,7 @@ class EngineManager:
         return cause
 
     def _record(self, cause: ExitCause) -> ExitCause:
-        self._last_exit = cause
+        self._remember(self._serial, cause)
         event = "engine.boot_failed" if cause.phase == "boot" else "engine.exited"
         if cause.reason is ExitReason.STOPPED:
             log.info(event, reason=cause.reason.value, detail=cause.detail)
@@ -303,12 +310,22 @@ class EngineManager:
                    "backoff_s": spawned - marks["stopped"],
                    "boot_s": ready - spawned,
                    "total_s": ready - marks["detected"]}
-        self._last_exit = replace(self._last_exit,
-                                  restart={k: round(v, 3) for k, v in timings.items()})
-        log.info("engine.recovered", **self._last_exit.restart)
+        # The exit that started this recovery belongs to the worker before this one.
+        recovered = self._remember(self._serial - 1, replace(
+            self._last_exit, restart={k: round(v, 3) for k, v in timings.items()}))
+        log.info("engine.recovered", **recovered.restart)
         for listener in self.phase_listeners:
             for phase, seconds in timings.items():
                 listener(phase.removesuffix("_s"), seconds)
+
+    def _remember(self, serial: int, cause: ExitCause) -> ExitCause:
+        """`cause` is the last exit, and worker `serial`'s entry in the recent exits."""
+        self._last_exit = cause
+        if self._exits and self._exits[-1][0] == serial:
+            self._exits[-1] = (serial, cause)
+        else:
+            self._exits.append((serial, cause))
+        return cause
 
     # --- waiting and states -----------------------------------------------------------------
 

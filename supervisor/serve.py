@@ -91,7 +91,9 @@ async def serve(settings: Settings) -> int:
     manager_task: asyncio.Task[None] | None = None
     admission = Admission(settings.policy.max_inflight)
     app = create_app(settings, manager, registry=registry, admission=admission,
-                     alive=lambda: manager_task is not None and not manager_task.done())
+                     alive=lambda: manager_task is not None and not manager_task.done(),
+                     engine_reading=lambda: progress.stats if manager.state is EngineState.READY
+                     else None)
     protocol = edge_protocol(settings.server, EdgeMetrics(registry))
     server = _Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,

@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.harness import Appliance, running_appliance
+
+ARTEFACTS = pytest.StashKey[list[Path]]()
+ARTEFACTS_ROOT = Path(os.environ.get("CHAT_APPLIANCE_TEST_ARTIFACTS",
+                                     Path(__file__).resolve().parents[2] / "build" / "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def artefacts(request: pytest.FixtureRequest) -> Path:
+    """A folder for what a person should look at after the run (screenshots), emptied first
+    and named at the end of the test session."""
+    folder = ARTEFACTS_ROOT / request.module.__name__.rsplit(".", 1)[-1]
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    request.config.stash.setdefault(ARTEFACTS, []).append(folder)
+    return folder
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    for folder in config.stash.get(ARTEFACTS, []):
+        terminalreporter.write_line(f"test artefacts: {folder}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -142,7 +142,8 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
         yield appliance
     finally:
         worker_pid = None
-        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError):
+        # KeyError: /health refused the call (401 under server.protect_ops_routes).
+        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, KeyError):
             worker_pid = appliance.worker_pid()
         appliance.stop()
         # The worker leads its own session: a supervisor that died mid-test must not leak it.

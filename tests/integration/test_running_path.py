@@ -65,6 +65,23 @@ def test_request_id_is_taken_from_the_client_and_returned(appliance: Appliance) 
         time.sleep(0.1)
 
 
+def test_a_client_traceparent_tags_the_appliances_log_lines_with_its_trace_id(
+        appliance: Appliance) -> None:
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    response = httpx.post(f"{appliance.url}/v1/completions", timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+                          json={"prompt": "Hello", "max_tokens": 2})
+    assert response.status_code == 200
+    request_id = response.headers["x-request-id"]
+    deadline = time.monotonic() + 5  # the access line is written just after the last byte
+    while not [e for e in appliance.log_events()
+               if e.get("event") == "request.completed" and e.get("request_id") == request_id]:
+        assert time.monotonic() < deadline, "no access line for the request"
+        time.sleep(0.1)
+    lines = [e for e in appliance.log_events() if e.get("request_id") == request_id]
+    assert lines and all(e.get("trace_id") == trace_id for e in lines)
+
+
 def test_health_reports_the_worker(appliance: Appliance) -> None:
     detail = appliance.health().json()
     assert detail["state"] == "ready"

@@ -48,6 +48,15 @@ class FakeEngine:
                 "gpu": {"status": "unavailable"}}
 
 
+@dataclass
+class FakeReading:
+    """The worker's own counters as the supervisor last read them (appliance.recent)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    generation_tokens: float = 0.0
+
+
 @contextlib.asynccontextmanager
 async def serving(app: Any, port: int) -> AsyncIterator[uvicorn.Server]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,

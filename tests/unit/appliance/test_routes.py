@@ -12,8 +12,9 @@ from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-routes-test-key"
-OPEN_ALWAYS = {"/livez"}
-OPS = {"/health", "/metrics"}
+# /livez for liveness probes; the status page's shell and assets, which hold no data.
+OPEN_ALWAYS = {"/livez", "/", "/ui/status.js", "/ui/chart.js", "/ui/status.css"}
+OPS = {"/health", "/metrics", "/status.json"}
 
 
 def every_route(app: Litestar) -> list[tuple[str, str]]:

@@ -122,9 +122,9 @@ def engine_activity(worker: Worker) -> Activity:
 
 
 def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | None = None,
-                 **supervisor: float) -> EngineManager:
+                 status: dict[str, float] | None = None, **supervisor: float) -> EngineManager:
     settings = Settings(supervisor={"backoff_jitter": 0, "backoff_initial_s": 1,
-                                    "backoff_max_s": 8, **supervisor})
+                                    "backoff_max_s": 8, **supervisor}, status=status or {})
     prober, sup = FakeProber(launcher), settings.supervisor
     monitors: list[Monitor] = [
         HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
@@ -257,6 +257,31 @@ async def test_consecutive_health_failures_restart_the_worker() -> None:
     await task
 
 
+async def test_the_cause_is_shown_while_the_worker_is_being_stopped() -> None:
+    """A monitor's verdict is in /health at once, not only after the grace period."""
+    clock, release = FakeClock(), asyncio.Event()
+
+    class SlowToStop(FakeWorker):
+        async def stop(self, grace_s: float) -> StopReport:
+            await release.wait()
+            return await super().stop(grace_s)
+
+    launcher = FakeLauncher(lambda pid: SlowToStop(pid))
+    manager = make_manager(launcher, clock, health_failures=1, canary_interval_s=10_000)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.healthy = False
+    await until(lambda: manager.state is EngineState.STOPPING)
+    snapshot = manager.snapshot()
+    assert snapshot["last_exit"]["reason"] == "unhealthy"
+    assert [e["reason"] for e in snapshot["recent_exits"]] == ["unhealthy"]
+    release.set()
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    assert len(manager.snapshot()["recent_exits"]) == 1
+    manager.request_stop()
+    await task
+
+
 async def test_a_busy_engine_that_stops_running_is_declared_hung_and_restarted() -> None:
     clock, launcher = FakeClock(), FakeLauncher()
     manager = make_manager(launcher, clock, hang_stall_s=5, canary_interval_s=10_000)
@@ -304,6 +329,25 @@ async def test_restart_timings_are_on_the_exit_and_reported_by_phase() -> None:
     assert restart["total_s"] == pytest.approx(
         restart["stop_s"] + restart["backoff_s"] + restart["boot_s"])
     assert set(phases) == {"stop", "backoff", "boot", "total"}
+    manager.request_stop()
+    await task
+
+
+async def test_recent_exits_keep_one_entry_per_worker_newest_first_with_timings() -> None:
+    """The early record at the exit and the full one after the reap are one entry; the list
+    is bounded by status.recent_exits."""
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_interval_s=30, status={"recent_exits": 2})
+    task = asyncio.create_task(manager.run())
+    for pid in (100, 110, 120):
+        await until(lambda pid=pid: manager.state is EngineState.READY and manager.pid == pid)
+        launcher.current.exit(-signal.SIGKILL if pid != 110 else 1)
+    await until(lambda: manager.state is EngineState.READY and manager.pid == 130)
+    exits = manager.snapshot()["recent_exits"]
+    assert [e["detail"] for e in exits] == ["crashed after ready: SIGKILL (killed: out of memory, "
+                                            "or an operator?)", "crashed after ready: exit 1"]
+    assert all(set(e["restart"]) == {"stop_s", "backoff_s", "boot_s", "total_s"} for e in exits)
+    assert exits[0] == manager.snapshot()["last_exit"]
     manager.request_stop()
     await task
 
