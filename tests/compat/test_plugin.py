@@ -62,7 +62,7 @@ def test_chat(server, model_name):
     assert reply.choices[0].message.content == "hello"
 
 
-def test_inline_model(server):
+def test_inline_model():
     other = RemoteOpenAIServer("org/other-model", [])
     other.get_client().completions.create(model="org/other-model", prompt="hi")
 

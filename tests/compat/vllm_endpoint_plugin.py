@@ -41,6 +41,7 @@ API_KEY_ENV = "COMPAT_API_KEY"
 DEFAULT_API_KEY = "token-abc123"  # what vLLM's tests send; a server without keys ignores it
 # Fixtures through which a vLLM test reaches its server; a test using none of them is a unit test.
 SERVER_FIXTURES = frozenset({"server", "client", "server_fixture"})
+SERVER_CLASS = "RemoteOpenAIServer"
 HUB_FIXTURE_SUFFIX = "_lora_files"
 LORA_PLACEHOLDER = "/nonexistent/lora-adapter"
 MESSAGE_CHARS = 300
@@ -146,6 +147,14 @@ def endpoint_server_class(base: type, config: Config, served: str, hub_ids: set[
     return EndpointServer
 
 
+def reaches_server(item: pytest.Item) -> bool:
+    """Through a server fixture, or a RemoteOpenAIServer the test starts itself."""
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return SERVER_CLASS in getattr(code, "co_names", ())
+
+
 def outcome_of(report: pytest.TestReport, previous: str | None) -> str:
     """One outcome per test from its setup, call and teardown reports: failed wins, then skipped."""
     if report.failed:
@@ -196,8 +205,7 @@ class EndpointPlugin:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         kept, dropped = [], []
         for item in items:
-            uses_server = SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
-            (kept if uses_server else dropped).append(item)
+            (kept if reaches_server(item) else dropped).append(item)
             self.map_params(item)
             key = self.exclusion(item.nodeid)
             if key is not None:
