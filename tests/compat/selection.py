@@ -54,6 +54,9 @@ EXCLUDED: dict[str, str] = {
         f"{_ZEPHYR} (prompt_tokens=37 is zephyr's chat template)",
     f"{_CHAT}test_chat.py::test_more_than_one_prompt_logprobs_chat":
         f"{_ZEPHYR} (its top-1 guess of the 4th prompt token is that token)",
+    f"{_CHAT}test_chat.py::test_structured_outputs_choice_chat":
+        f"{_ZEPHYR} (another pick when told 'I disagree', sampled at temperature 0.7: SmolLM2 "
+        "passed and failed it in two runs)",
     f"{_CHAT}test_chat.py::test_structured_outputs_json_chat":
         f"{_ZEPHYR} (a different name and age on request, in up to 2x1000 tokens)",
     f"{_CHAT}test_chat.py::test_complex_message_content": f"{_ZEPHYR} (content == '2')",
