@@ -55,16 +55,20 @@ EXCLUDED: dict[str, str] = {
     f"{_CHAT}test_chat.py::test_more_than_one_prompt_logprobs_chat":
         f"{_ZEPHYR} (its top-1 guess of the 4th prompt token is that token)",
     f"{_CHAT}test_chat.py::test_structured_outputs_choice_chat":
-        f"{_ZEPHYR} (another pick when told 'I disagree', sampled at temperature 0.7: SmolLM2 "
-        "passed and failed it in two runs)",
+        f"{_ZEPHYR} (another pick when told 'I disagree', sampled at temperature 0.7: a 135M "
+        "model may well repeat its pick)",
+    f"{_CHAT}test_chat.py::test_structured_outputs_regex_chat":
+        f"{_ZEPHYR} (a different IP address on request: SmolLM2 repeated 172.57.55.65 in one "
+        "of three runs)",
     f"{_CHAT}test_chat.py::test_structured_outputs_json_chat":
         f"{_ZEPHYR} (a different name and age on request, in up to 2x1000 tokens)",
     f"{_CHAT}test_chat.py::test_complex_message_content": f"{_ZEPHYR} (content == '2')",
     f"{_CHAT}test_chat.py::test_response_format_json_object": f"{_ZEPHYR} ({{'result': 2}})",
     f"{_CHAT}test_chat.py::test_response_format_json_schema": f"{_ZEPHYR} ({{'result': 2}})",
     f"{_CHAT}test_chat.py::test_custom_role": _NO_LIMIT,
-    f"{_CHAT}test_batched_chat_completions.py::test_batched_chat_completions":
-        f"{_NO_LIMIT}; its client gives up after 60 s",
+    **{f"{_CHAT}test_batched_chat_completions.py::{name}": f"{_NO_LIMIT}; its client gives up "
+       "after 60 s (timed out in one of three runs)" for name in (
+        "test_batched_chat_completions", "test_batched_chat_completions_return_tokens_as_token_ids")},
     **{f"{_CHAT}test_chat_echo.py::{name}": "needs --max-logprobs at the vocabulary's size (vLLM's "
        "default is 20): logprobs of every token in the vocabulary, per token, are a memory and "
        "bandwidth hazard on a shared endpoint" for name in ("test_prompt_logprobs", "test_top_logprobs")},
