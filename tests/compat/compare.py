@@ -59,8 +59,13 @@ class Difference:
 
 
 def differences(direct: RunResult, appliance: RunResult) -> list[Difference]:
-    """Every test whose outcome differs between the runs, each told allowed or not."""
-    found = []
+    """Every test whose outcome differs between the runs, each told allowed or not.
+
+    A run that reported nothing (pytest died or was stopped) is not compared test by test.
+    """
+    found: list[Difference] = []
+    if not (direct.outcomes and appliance.outcomes):
+        return found
     for nodeid in sorted(direct.outcomes.keys() | appliance.outcomes.keys()):
         before, after = direct.outcomes.get(nodeid, "missing"), appliance.outcomes.get(nodeid, "missing")
         if before == after:

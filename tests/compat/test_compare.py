@@ -36,8 +36,14 @@ def test_any_other_difference_is_unexpected_whatever_its_message() -> None:
 
 
 def test_a_test_missing_from_one_run_is_a_difference() -> None:
+    result = verdict({OTHER: "passed", N_TEST: "passed"}, {N_TEST: "passed"})
+    assert not result.ok and [d.nodeid for d in result.unexpected] == [OTHER]
+
+
+def test_a_run_that_reported_nothing_fails_without_listing_every_test() -> None:
     result = verdict({OTHER: "passed"}, {})
-    assert not result.ok
+    assert not result.ok and not result.found
+    assert "appliance run reported nothing" in result.render()
 
 
 def test_a_failure_against_the_worker_itself_fails_the_verdict() -> None:
