@@ -26,7 +26,8 @@ from appliance.errors import (
 from appliance.gate import Gate
 from appliance.metrics import RequestMetrics
 from appliance.relay import RelayDeps
-from appliance.routes import guards, openai, ops
+from appliance.response_ids import ResponseIds
+from appliance.routes import anthropic, guards, openai, ops, responses, tokenizer
 from appliance.routes.openai import RouteDeps
 from appliance.settings import Settings
 from appliance.shapes import OPENAI, ErrorShape, encode
@@ -50,10 +51,16 @@ def create_app(
     upstream = Upstream(engine.base_url, settings.server, engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
-    key_guard = guards.key_guard([key.get_secret_value() for key in settings.server.api_keys])
+    keys = [key.get_secret_value() for key in settings.server.api_keys]
+    key_guard = guards.key_guard(keys)
+    deps = RouteDeps(relay, settings.server)
+    response_ids = ResponseIds(engine, settings.policy.max_tracked_responses)
 
-    api = Router("/", route_handlers=openai.routes(RouteDeps(relay, settings.server)),
-                 guards=[key_guard])
+    api = Router("/", route_handlers=[*openai.routes(deps), *responses.routes(deps, response_ids),
+                                      *tokenizer.routes(deps)], guards=[key_guard])
+    # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
+    anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
+                           guards=[guards.key_guard(keys, x_api_key=True)])
     operations = Router("/", route_handlers=ops.guarded_routes(engine, metrics, admission),
                         guards=[key_guard] if settings.server.protect_ops_routes else [])
 
@@ -78,7 +85,7 @@ def create_app(
                         headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
 
     return Litestar(
-        route_handlers=[api, operations, *ops.open_routes(alive)],
+        route_handlers=[api, anthropic_api, operations, *ops.open_routes(alive)],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],

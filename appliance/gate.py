@@ -20,7 +20,7 @@ import structlog
 from appliance import policy
 from appliance.apis import GenerationApi
 from appliance.budget import BudgetFitter
-from appliance.errors import BadRequest
+from appliance.errors import ApiError, BadRequest
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
@@ -40,12 +40,22 @@ class Vetted:
     changed: bool = False  # a rule rewrote the body: it is re-encoded, else forwarded as sent
     defaulted: bool = False  # the budget is the configured default
     headers: dict[str, str] = field(default_factory=dict)  # for the client's answer
+    method: str = "POST"
+    path: str | None = None  # the worker's route when not the API's own (a path parameter)
+    # The route's own reading of a worker's refusal (a response id lost in a restart).
+    refine: Callable[[ApiError], ApiError] | None = None
 
     @property
     def stream(self) -> bool:
         return self.payload.get("stream") is True
 
-    def body(self) -> bytes:
+    @property
+    def target(self) -> str:
+        return self.path or self.api.path
+
+    def body(self) -> bytes | None:
+        if self.method == "GET" or not (self.raw or self.changed):
+            return None
         return msgspec.json.encode(self.payload) if self.changed else self.raw
 
 
@@ -72,17 +82,14 @@ class Gate:
         api.validate(body)
         check_fields(body, api.fields)
         policy.check_n(body, rules.max_n)
-        _check_fanout(body, rules.max_batch_prompts)
-        changed = False
+        _check_fanout(body, api, rules.max_batch_prompts)
         if api.find_media is not None:
             policy.check_media(api.find_media(body), multimodal=self._multimodal,
                                max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
                                allowed_hosts=rules.allowed_media_hosts)
-        if api.chat_rules:
-            policy.check_tools(body, tool_parser=self._settings.engine.tool_call_parser)
-            changed = policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
-                                            disable_with_tools=rules.disable_thinking_with_tools)
-        defaulted = apply_default_budget(body, api.budget_fields, rules.default_max_tokens)
+        changed = api.rules(body, self._settings) if api.rules is not None else False
+        defaulted = bool(api.budget_fields) and apply_default_budget(
+            body, api.budget_fields, rules.default_max_tokens)
         return Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted)
 
     async def fit_budget(self, vetted: Vetted) -> None:
@@ -99,14 +106,19 @@ class Gate:
                  applied=clamp.applied, defaulted=clamp.defaulted)
 
 
-def _check_fanout(body: dict[str, Any], max_prompts: int) -> None:
-    """A batch of prompts is bounded: each one is a sequence for the engine to prefill."""
-    prompts = body.get("prompt")
-    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) \
-            and len(prompts) > max_prompts:
-        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; at most {max_prompts} are "
+def _check_fanout(body: dict[str, Any], api: GenerationApi, max_prompts: int) -> None:
+    """A batch of prompts (or of conversations) is bounded: each one is a sequence for the
+    engine to prefill."""
+    key = "messages" if api.prompt == "conversations" else "prompt"
+    prompts = body.get(key)
+    if key == "prompt" and not (isinstance(prompts, list) and prompts
+                                and not isinstance(prompts[0], int)):
+        return
+    if isinstance(prompts, list) and len(prompts) > max_prompts:
+        what = "conversations" if key == "messages" else "prompts"
+        raise BadRequest(f"'{key}' holds {len(prompts)} {what}; at most {max_prompts} are "
                          "accepted per request (setting policy.max_batch_prompts).",
-                         param="prompt", code="too_many_prompts")
+                         param=key, code="too_many_prompts")
 
 
 def _is_multimodal(settings: Settings) -> bool:

@@ -72,6 +72,7 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
         env.pop(key, None)
     if engine.resolved_device() == "cpu":
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1" if engine.responses_store else "0"
     env.update(engine.env)
     return env
 
