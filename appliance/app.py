@@ -56,7 +56,9 @@ def create_app(
     deps = RouteDeps(relay, settings.server)
     response_ids = ResponseIds(engine, settings.policy.max_tracked_responses)
 
-    api = Router("/", route_handlers=[*openai.routes(deps), *responses.routes(deps, response_ids),
+    background = settings.policy.allow_background_responses
+    api = Router("/", route_handlers=[*openai.routes(deps),
+                                      *responses.routes(deps, response_ids, background),
                                       *tokenizer.routes(deps)], guards=[key_guard])
     # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
     anthropic_api = Router("/", route_handlers=anthropic.routes(deps),

@@ -21,7 +21,9 @@ from appliance.routes.openai import RouteDeps, generation, relay_for
 SHAPE = {"shape": RESPONSES_CREATE.shape}
 
 
-def routes(deps: RouteDeps, ids: ResponseIds) -> list[HTTPRouteHandler]:
+def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRouteHandler]:
+    """`background`: whether background responses are allowed (only they can be streamed
+    again: vLLM breaks off the stream of any other stored response)."""
     relay = deps.relay
 
     def prepare(vetted: Vetted) -> None:
@@ -42,6 +44,11 @@ def routes(deps: RouteDeps, ids: ResponseIds) -> list[HTTPRouteHandler]:
                        stream: FromQuery[bool] = False,
                        starting_after: FromQuery[int | None] = None) -> ASGIApp:
         require_ready(relay.engine)
+        if stream and not background:
+            raise BadRequest("Only a background response can be streamed again, and background "
+                             "responses are off on this appliance (setting "
+                             "policy.allow_background_responses).", param="stream",
+                             code="background_not_allowed")
         if starting_after is not None and starting_after < 0:
             raise BadRequest("'starting_after' must be at least 0.", param="starting_after",
                              code="invalid_value")

@@ -214,11 +214,13 @@ async def test_responses_budget_is_clamped_with_the_workers_render(stream: bool)
             f"requested=1000000; applied={2048 - prompt}")
 
 
-async def test_background_responses_are_refused_unless_allowed() -> None:
+async def test_background_responses_and_their_restreaming_are_refused_unless_allowed() -> None:
     async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
         refused = await client.post("/v1/responses", json=RESPONSES | {"background": True})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "background"
+        restream = await client.get("/v1/responses/resp_x", params={"stream": "true"})
+        assert restream.status_code == 400 and restream.json()["error"]["param"] == "stream"
         assert fake.received == []
     async with upstream() as (fake, url), appliance(
             FakeEngine(url), policy={"allow_background_responses": True}) as client:
