@@ -321,3 +321,13 @@ async def test_detokenize_version_and_tokenizer_info_are_relayed() -> None:
         assert (await client.get("/version")).json() == {"version": "0.32.0-synthetic"}
         info = await client.get("/tokenizer_info")
         assert info.status_code == 404 and info.json()["error"]["code"] == "not_enabled"
+
+
+async def test_a_responses_input_that_fills_the_window_is_400_naming_input() -> None:
+    async with upstream() as (fake, url), appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/responses", json=RESPONSES | {
+            "input": "x" * 9000, "max_output_tokens": 10})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "input" and error["code"] == "context_length_exceeded"
+        assert fake.received == []
