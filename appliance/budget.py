@@ -118,7 +118,9 @@ class BudgetFitter:
         if api.prompt == "messages":
             return await self._tokens({k: body[k] for k in _TEMPLATE_KEYS if k in body})
         if api.prompt == "responses":
-            return await self._rendered("/v1/responses/render", body)
+            # The render refuses a budget above the window, as generating would: leave it out.
+            rendered = {k: v for k, v in body.items() if k not in api.budget_fields}
+            return await self._rendered("/v1/responses/render", rendered)
         if api.prompt == "anthropic":
             counted = {k: body[k] for k in _ANTHROPIC_KEYS if k in body}
             return await self._counted("/v1/messages/count_tokens", counted, "input_tokens")

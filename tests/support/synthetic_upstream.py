@@ -72,8 +72,11 @@ class Upstream:
 
     async def _small(self, path: str, scope: Scope, request: dict[str, Any], send: Any) -> None:
         """The routes that generate nothing: renders, counts, stored responses, the version."""
-        if path == "/v1/responses/render":
-            await _json(send, 200, {"token_ids": [1] * _prompt_tokens(request)})
+        if path == "/v1/responses/render":  # as vLLM: it checks the budget as generating does
+            if (request.get("max_output_tokens") or 0) > MAX_MODEL_LEN:
+                await _json(send, 400, {"error": {"message": "max_output_tokens too large"}})
+            else:
+                await _json(send, 200, {"token_ids": [1] * _prompt_tokens(request)})
         elif path == "/v1/messages/count_tokens":
             await _json(send, 200, {"input_tokens": _prompt_tokens(request)})
         elif path == "/detokenize":
