@@ -238,7 +238,11 @@ def test_disconnect_aborts_on_the_engine_within_half_a_second(
         surface: Appliance, model: str, path: str, budget: str, stream: bool) -> None:
     prompt: dict[str, object] = ({"input": LONG} if path == "/v1/responses"
                                  else {"messages": [{"role": "user", "content": LONG}]})
-    before = engine_running(surface)
+    idle_by = time.monotonic() + 60  # an earlier test's request may still be aborting
+    while engine_running(surface) > 0:
+        assert time.monotonic() < idle_by, "the engine never became idle"
+        time.sleep(0.05)
+    before = 0.0
     sock = _raw_request(surface, path, {"model": model, budget: 1500, "ignore_eos": True,
                                         "stream": stream, **prompt})
     deadline = time.monotonic() + 30
