@@ -52,19 +52,9 @@ def create_app(
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
     keys = [key.get_secret_value() for key in settings.server.api_keys]
-    key_guard = guards.key_guard(keys)
-    deps = RouteDeps(relay, settings.server)
-    response_ids = ResponseIds(engine, settings.policy.max_tracked_responses)
-
-    background = settings.policy.allow_background_responses
-    api = Router("/", route_handlers=[*openai.routes(deps),
-                                      *responses.routes(deps, response_ids, background),
-                                      *tokenizer.routes(deps)], guards=[key_guard])
-    # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
-    anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
-                           guards=[guards.key_guard(keys, x_api_key=True)])
     operations = Router("/", route_handlers=ops.guarded_routes(engine, metrics, admission),
-                        guards=[key_guard] if settings.server.protect_ops_routes else [])
+                        guards=[guards.key_guard(keys)] if settings.server.protect_ops_routes
+                        else [])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -87,7 +77,8 @@ def create_app(
                         headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
 
     return Litestar(
-        route_handlers=[api, anthropic_api, operations, *ops.open_routes(alive)],
+        route_handlers=[*_api_routers(settings, relay, keys), operations,
+                        *ops.open_routes(alive)],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],
@@ -96,6 +87,20 @@ def create_app(
         logging_config=None,  # the supervisor configures logging once, for the whole process
         debug=False,
     )
+
+
+def _api_routers(settings: Settings, relay: RelayDeps, keys: list[str]) -> list[Router]:
+    """The API's route families, each behind the key guard its protocol's clients expect."""
+    deps = RouteDeps(relay, settings.server)
+    response_ids = ResponseIds(relay.engine, settings.policy.max_tracked_responses)
+    background = settings.policy.allow_background_responses
+    api = Router("/", route_handlers=[*openai.routes(deps),
+                                      *responses.routes(deps, response_ids, background),
+                                      *tokenizer.routes(deps)], guards=[guards.key_guard(keys)])
+    # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
+    anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
+                           guards=[guards.key_guard(keys, x_api_key=True)])
+    return [api, anthropic_api]
 
 
 def _shape(request: Request[Any, Any, Any]) -> ErrorShape:

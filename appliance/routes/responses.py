@@ -44,17 +44,7 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
                        stream: FromQuery[bool] = False,
                        starting_after: FromQuery[int | None] = None) -> ASGIApp:
         require_ready(relay.engine)
-        if stream and not background:
-            raise BadRequest("Only a background response can be streamed again, and background "
-                             "responses are off on this appliance (setting "
-                             "policy.allow_background_responses).", param="stream",
-                             code="background_not_allowed")
-        if starting_after is not None and starting_after < 0:
-            raise BadRequest("'starting_after' must be at least 0.", param="starting_after",
-                             code="invalid_value")
-        query = "?stream=true" if stream else ""
-        if starting_after is not None:
-            query += ("&" if query else "?") + f"starting_after={starting_after}"
+        query = _retrieve_query(stream, starting_after, background)
         payload = {"stream": stream, "request_id": response_id}
         return relay_for(stored(RESPONSES_RETRIEVE, response_id, "GET", query, payload),
                          request, relay)
@@ -66,3 +56,19 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
         return relay_for(stored(RESPONSES_CANCEL, response_id, "POST"), request, relay)
 
     return [generation("/v1/responses", RESPONSES_CREATE, deps, prepare), retrieve, cancel]
+
+
+def _retrieve_query(stream: bool, starting_after: int | None, background: bool) -> str:
+    """The worker's query for a retrieve, checked: only what vLLM reads is passed on."""
+    if stream and not background:
+        raise BadRequest("Only a background response can be streamed again, and background "
+                         "responses are off on this appliance (setting "
+                         "policy.allow_background_responses).", param="stream",
+                         code="background_not_allowed")
+    if starting_after is not None and starting_after < 0:
+        raise BadRequest("'starting_after' must be at least 0.", param="starting_after",
+                         code="invalid_value")
+    query = "?stream=true" if stream else ""
+    if starting_after is not None:
+        query += ("&" if query else "?") + f"starting_after={starting_after}"
+    return query
