@@ -28,7 +28,8 @@ from appliance.gate import Gate
 from appliance.metrics import RequestMetrics
 from appliance.recent import EngineReading, Recent
 from appliance.relay import RelayDeps
-from appliance.routes import guards, openai, ops, status
+from appliance.response_ids import ResponseIds
+from appliance.routes import anthropic, guards, openai, ops, responses, status, tokenizer
 from appliance.routes.openai import RouteDeps
 from appliance.settings import Settings
 from appliance.shapes import OPENAI, ErrorShape, encode
@@ -57,15 +58,13 @@ def create_app(
     upstream = Upstream(engine.base_url, settings.server, engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
-    key_guard = guards.key_guard([key.get_secret_value() for key in settings.server.api_keys])
-
-    api = Router("/", route_handlers=openai.routes(RouteDeps(relay, settings.server)),
-                 guards=[key_guard])
+    keys = [key.get_secret_value() for key in settings.server.api_keys]
     recent = Recent(settings.status, metrics.ttft, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
                                              *status.data_routes(sources)],
-                        guards=[key_guard] if settings.server.protect_ops_routes else [])
+                        guards=[guards.key_guard(keys)] if settings.server.protect_ops_routes
+                        else [])
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -92,7 +91,8 @@ def create_app(
                         headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
 
     return Litestar(
-        route_handlers=[api, operations, *ops.open_routes(alive), *status.page_routes()],
+        route_handlers=[*_api_routers(settings, relay, keys), operations,
+                        *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],
@@ -101,6 +101,20 @@ def create_app(
         logging_config=None,  # the supervisor configures logging once, for the whole process
         debug=False,
     )
+
+
+def _api_routers(settings: Settings, relay: RelayDeps, keys: list[str]) -> list[Router]:
+    """The API's route families, each behind the key guard its protocol's clients expect."""
+    deps = RouteDeps(relay, settings.server)
+    response_ids = ResponseIds(relay.engine, settings.policy.max_tracked_responses)
+    background = settings.policy.allow_background_responses
+    api = Router("/", route_handlers=[*openai.routes(deps),
+                                      *responses.routes(deps, response_ids, background),
+                                      *tokenizer.routes(deps)], guards=[guards.key_guard(keys)])
+    # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
+    anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
+                           guards=[guards.key_guard(keys, x_api_key=True)])
+    return [api, anthropic_api]
 
 
 def _shape(request: Request[Any, Any, Any]) -> ErrorShape:

@@ -20,13 +20,14 @@ import structlog
 from appliance import policy
 from appliance.apis import GenerationApi
 from appliance.budget import BudgetFitter
-from appliance.errors import BadRequest
+from appliance.errors import ApiError, BadRequest
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
 
+_CONVERSATIONS = ("messages", "anthropic")  # APIs whose body is one list of messages
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image_token_id")
 
 
@@ -40,12 +41,22 @@ class Vetted:
     changed: bool = False  # a rule rewrote the body: it is re-encoded, else forwarded as sent
     defaulted: bool = False  # the budget is the configured default
     headers: dict[str, str] = field(default_factory=dict)  # for the client's answer
+    method: str = "POST"
+    path: str | None = None  # the worker's route when not the API's own (a path parameter)
+    # The route's own reading of a worker's refusal (a response id lost in a restart).
+    refine: Callable[[ApiError], ApiError] | None = None
 
     @property
     def stream(self) -> bool:
         return self.payload.get("stream") is True
 
-    def body(self) -> bytes:
+    @property
+    def target(self) -> str:
+        return self.path or self.api.path
+
+    def body(self) -> bytes | None:
+        if self.method == "GET" or not (self.raw or self.changed):
+            return None
         return msgspec.json.encode(self.payload) if self.changed else self.raw
 
 
@@ -72,23 +83,21 @@ class Gate:
     def vet_now(self, raw: bytes, api: GenerationApi) -> Vetted:
         """Every rule that needs only the body; raises the first refusal as an ApiError."""
         rules = self._rules
-        if api.prompt == "messages":
+        if api.prompt in _CONVERSATIONS:
             _check_message_count(raw, rules.max_messages)
         body = policy.parse_json(raw)
         api.validate(body)
         check_fields(body, api.fields)
         policy.check_n(body, rules.max_n)
-        _check_fanout(body, rules.max_batch_prompts, rules.max_messages)
-        changed = False
+        _check_fanout(body, api, rules.max_batch_prompts)
+        _check_conversation(body, api, rules.max_messages)
         if api.find_media is not None:
             policy.check_media(api.find_media(body), multimodal=self._multimodal,
                                max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
                                allowed_hosts=rules.allowed_media_hosts)
-        if api.chat_rules:
-            policy.check_tools(body, tool_parser=self._settings.engine.tool_call_parser)
-            changed = policy.apply_thinking(body, default_kwargs=rules.default_chat_template_kwargs,
-                                            disable_with_tools=rules.disable_thinking_with_tools)
-        defaulted = apply_default_budget(body, api.budget_fields, rules.default_max_tokens)
+        changed = api.rules(body, self._settings) if api.rules is not None else False
+        defaulted = bool(api.budget_fields) and apply_default_budget(
+            body, api.budget_fields, rules.default_max_tokens)
         return Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted)
 
     async def fit_budget(self, vetted: Vetted) -> None:
@@ -116,20 +125,29 @@ def _check_message_count(raw: bytes, max_messages: int) -> None:
                          "policy.max_messages).", param="messages", code="too_many_messages")
 
 
-def _check_fanout(body: dict[str, Any], max_prompts: int, max_messages: int) -> None:
-    """A batch of prompts is bounded: each one is a sequence for the engine to prefill; and so
-    is a conversation."""
+def _check_conversation(body: dict[str, Any], api: GenerationApi, max_messages: int) -> None:
+    """A conversation is bounded too: each message is template work and prompt tokens."""
     messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) > max_messages:
+    if api.prompt in _CONVERSATIONS and isinstance(messages, list) \
+            and len(messages) > max_messages:
         raise BadRequest(f"'messages' holds {len(messages)} messages; at most {max_messages} "
                          "are accepted (setting policy.max_messages).", param="messages",
                          code="too_many_messages")
-    prompts = body.get("prompt")
-    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) \
-            and len(prompts) > max_prompts:
-        raise BadRequest(f"'prompt' holds {len(prompts)} prompts; at most {max_prompts} are "
+
+
+def _check_fanout(body: dict[str, Any], api: GenerationApi, max_prompts: int) -> None:
+    """A batch of prompts (or of conversations) is bounded: each one is a sequence for the
+    engine to prefill."""
+    key = "messages" if api.prompt == "conversations" else "prompt"
+    prompts = body.get(key)
+    if key == "prompt" and not (isinstance(prompts, list) and prompts
+                                and not isinstance(prompts[0], int)):
+        return
+    if isinstance(prompts, list) and len(prompts) > max_prompts:
+        what = "conversations" if key == "messages" else "prompts"
+        raise BadRequest(f"'{key}' holds {len(prompts)} {what}; at most {max_prompts} are "
                          "accepted per request (setting policy.max_batch_prompts).",
-                         param="prompt", code="too_many_prompts")
+                         param=key, code="too_many_prompts")
 
 
 def _is_multimodal(settings: Settings) -> bool:

@@ -9,6 +9,7 @@ answer, after it the protocol's own stream ending, so no request is left without
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
 from appliance.gate import Gate, Vetted
 from appliance.metrics import RequestMetrics
-from appliance.shapes import ErrorShape, encode, upstream_error
+from appliance.shapes import ErrorShape, StreamSoFar, encode, upstream_error
 from appliance.upstream import Reply, Upstream
 
 log = structlog.get_logger("appliance.relay")
@@ -88,15 +89,18 @@ class Relay:
         self._request_id = request_id
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = vetted.api.shape
+        self._so_far = StreamSoFar(vetted.payload)  # what a stream's ending must know
         self._started = False  # the head has gone to the client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
         watch = Watch(receive, deps.engine)
+        slot: contextlib.AbstractAsyncContextManager[None] = (
+            deps.admission.slot() if self._vetted.api.admitted else contextlib.nullcontext())
         try:
             with watch:
-                async with deps.admission.slot():
+                async with slot:
                     await deps.gate.fit_budget(self._vetted)
                     await self._exchange(send, watch)
         except asyncio.CancelledError:
@@ -113,11 +117,14 @@ class Relay:
 
     async def _exchange(self, send: Send, watch: Watch) -> None:
         vetted, deps = self._vetted, self._deps
-        headers = {"content-type": "application/json", "x-request-id": self._request_id,
-                   **self._forward}
-        async with deps.upstream.exchange("POST", vetted.api.path, vetted.body(), headers) as reply:
+        body = vetted.body()
+        headers = {"x-request-id": self._request_id, **self._forward}
+        if body is not None:
+            headers["content-type"] = "application/json"
+        async with deps.upstream.exchange(vetted.method, vetted.target, body, headers) as reply:
             if reply.status >= 300:
-                raise upstream_error(reply.status, await reply.read())
+                error = upstream_error(reply.status, await reply.read())
+                raise vetted.refine(error) if vetted.refine is not None else error
             if vetted.stream:
                 await self._stream(send, reply, watch)
             else:
@@ -134,6 +141,7 @@ class Relay:
             if first:
                 self._deps.metrics.first_token(self._route, time.perf_counter() - started)
                 first = False
+            self._so_far.relayed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         watch.disarm()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -167,7 +175,7 @@ class Relay:
                      reason=error.reason)
         try:
             if self._started:
-                await send({"type": "http.response.body", "body": self._shape.stream_end(error),
+                await send({"type": "http.response.body", "body": self._shape.stream_end(error, self._so_far),
                             "more_body": False})
                 return
             await send_error(send, self._shape, error, self._request_id)

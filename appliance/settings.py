@@ -94,6 +94,7 @@ class EngineSettings(_Group):
     max_num_seqs: int | None = Field(None, ge=1)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    responses_store: bool = True
     trust_remote_code: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -134,6 +135,8 @@ class PolicySettings(_Group):
     allowed_media_hosts: list[str] = Field(default_factory=list)
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     disable_thinking_with_tools: bool = False
+    allow_background_responses: bool = False
+    max_tracked_responses: int = Field(10000, ge=1)
 
 
 class SupervisorSettings(_Group):

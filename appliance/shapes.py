@@ -7,6 +7,10 @@ always gets errors its SDK can parse.
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -14,6 +18,18 @@ import msgspec
 from appliance.errors import ApiError, UpstreamError
 
 _MAX_MESSAGE = 2000  # a worker's pydantic dump can be many kilobytes; the client needs the gist
+
+
+@dataclass
+class StreamSoFar:
+    """What a stream's ending may need to know of the stream it ends."""
+
+    request: Mapping[str, Any]  # the body that was forwarded
+    last: bytes = b""  # the last two chunks relayed, as references: no copy on the hot path
+    before_last: bytes = b""
+
+    def relayed(self, chunk: bytes) -> None:
+        self.before_last, self.last = self.last, chunk
 
 
 class ErrorShape(Protocol):
@@ -25,7 +41,7 @@ class ErrorShape(Protocol):
         """The JSON body of an error answer."""
         ...
 
-    def stream_end(self, error: ApiError) -> bytes:
+    def stream_end(self, error: ApiError, so_far: StreamSoFar) -> bytes:
         """The SSE bytes that end a stream which cannot finish (already-sent bytes stand)."""
         ...
 
@@ -42,11 +58,74 @@ class OpenAIShape:
             detail["request_id"] = request_id  # what an operator greps the log for
         return {"error": detail}
 
-    def stream_end(self, error: ApiError) -> bytes:
+    def stream_end(self, error: ApiError, so_far: StreamSoFar) -> bytes:
         return b"data: " + msgspec.json.encode(self.body(error, None)) + b"\n\ndata: [DONE]\n\n"
 
 
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+class ResponsesShape(OpenAIShape):
+    """The Responses API: OpenAI's error body; a stream ends in its own events, `error` then the
+    terminal `response.failed` (same response id as the stream's), and no [DONE]."""
+
+    name = "responses"
+
+    def stream_end(self, error: ApiError, so_far: StreamSoFar) -> bytes:
+        sequence = _last_sequence(so_far) + 1
+        request = so_far.request
+        failed: dict[str, Any] = {
+            "id": str(request.get("request_id") or ""), "object": "response",
+            "created_at": int(time.time()), "model": str(request.get("model") or ""),
+            "status": "failed", "output": [], "error": {"code": "server_error",
+                                                         "message": error.message},
+            "incomplete_details": None, "instructions": request.get("instructions"),
+            "metadata": request.get("metadata"), "parallel_tool_calls": True,
+            "temperature": None, "top_p": None, "tool_choice": "auto", "tools": [],
+            "background": bool(request.get("background")),
+        }
+        events = (
+            ("error", {"type": "error", "code": error.code, "message": error.message,
+                       "param": error.param, "sequence_number": sequence}),
+            ("response.failed", {"type": "response.failed", "sequence_number": sequence + 1,
+                                 "response": failed}),
+        )
+        return b"".join(_event(name, data) for name, data in events)
+
+
+# Anthropic's error types, by the status the appliance answers with.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 503: "overloaded_error", 529: "overloaded_error",
+}
+
+
+class AnthropicShape:
+    """`{"type": "error", "error": {"type", "message"}}`; a stream ends with `event: error`."""
+
+    name = "anthropic"
+
+    def body(self, error: ApiError, request_id: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": "error", "error": {"type": anthropic_type(error.status),
+                                                           "message": error.message}}
+        if request_id is not None and error.status == 500:
+            body["request_id"] = request_id
+        return body
+
+    def stream_end(self, error: ApiError, so_far: StreamSoFar) -> bytes:
+        return _event("error", self.body(error, None))
+
+
+def anthropic_type(status: int) -> str:
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
 OPENAI = OpenAIShape()
+RESPONSES = ResponsesShape()
+ANTHROPIC = AnthropicShape()
 
 
 def encode(shape: ErrorShape, error: ApiError, request_id: str | None) -> bytes:
@@ -70,3 +149,16 @@ def upstream_error(status: int, content: bytes) -> UpstreamError:
         message = message[:_MAX_MESSAGE] + "..."
     code = "engine_error" if status >= 500 else "invalid_request"
     return UpstreamError(status, message, param=param, code=code)
+
+
+def _event(name: str, data: Mapping[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def _last_sequence(so_far: StreamSoFar) -> int:
+    """The last sequence number the client saw (-1 if none): found in the last chunks only."""
+    for chunk in (so_far.last, so_far.before_last):
+        found = _SEQUENCE.findall(chunk[-4096:])
+        if found:
+            return int(found[-1])
+    return -1

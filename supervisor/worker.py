@@ -59,6 +59,9 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
     # Defence in depth behind the gate's SSRF check: vLLM itself fetches only from these hosts
     # (a reserved, never-resolving name when none is allowed) and follows no redirect.
     args += ["--allowed-media-domains", *(media_hosts or [NO_MEDIA_HOST])]
+    # The gate counts a Responses prompt exactly with the worker's /v1/responses/render, one of
+    # vLLM's scale-out routes; they stay on loopback, and the API never exposes them.
+    args.append("--enable-scale-out")
     return args + list(engine.extra_args)
 
 
@@ -72,6 +75,7 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
         env.pop(key, None)
     if engine.resolved_device() == "cpu":
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1" if engine.responses_store else "0"
     env.update(engine.env)
     return env
 

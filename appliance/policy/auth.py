@@ -1,4 +1,4 @@
-"""Bearer-token authentication against the configured API keys, in constant time."""
+"""API-key authentication against the configured keys, in constant time."""
 
 from __future__ import annotations
 
@@ -9,21 +9,23 @@ from collections.abc import Sequence
 from appliance.errors import Unauthorized
 
 
-def check_bearer(authorization: str | None, keys: Sequence[str]) -> None:
+def check_bearer(authorization: str | None, keys: Sequence[str], *,
+                 x_api_key: str | None = None) -> None:
     """Unauthorized (code invalid_api_key) unless `Bearer <key>` names one of `keys`.
 
     No keys configured means the API is open. Every key is compared, on SHA-256 digests so
     that neither which key matched nor a key's length shows in the timing. No message ever
-    contains a key, configured or presented.
+    contains a key, configured or presented. Where the route's protocol sends its key in an
+    `x-api-key` header (Anthropic's), pass that header's value as `x_api_key`: the Bearer
+    token wins when both are sent.
     """
     if not keys:
         return
-    token = _bearer_token(authorization)
+    token = _bearer_token(authorization) or (x_api_key or "").strip()
     if not token:
-        raise Unauthorized(
-            "Missing API key: send 'Authorization: Bearer <key>'.",
-            code="invalid_api_key",
-        )
+        how = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'"
+                                                  if x_api_key is not None else "")
+        raise Unauthorized(f"Missing API key: send {how}.", code="invalid_api_key")
     presented = _digest(token)
     matched = False
     for key in keys:

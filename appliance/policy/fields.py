@@ -106,6 +106,126 @@ class CompletionFields(_Common):
     prompt_embeds: str | list[str] | None = None  # base64 tensors
 
 
+class BatchChatFields(ChatFields):
+    """POST /v1/chat/completions/batch: a list of conversations under one set of parameters."""
+
+    messages: list[list[Object | str]] | None = None
+
+
+class ResponsesFields(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """POST /v1/responses, as vLLM 0.32's ResponsesRequest reads it."""
+
+    model: str | None = None
+    input: str | list[Object] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    metadata: Object | None = None
+    logit_bias: dict[str, float] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    prompt: Object | None = None
+    reasoning: Object | None = None
+    include_reasoning: bool | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    text: Object | None = None
+    tool_choice: str | Object | None = None
+    tools: list[Object] | None = None
+    top_logprobs: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    prompt_cache_key: str | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+    enable_response_messages: bool | None = None
+    previous_input_messages: list[Object] | None = None
+    structured_outputs: Object | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    watermarking: bool | None = None
+    media_io_kwargs: dict[str, Object] | None = None
+    mm_processor_kwargs: Object | None = None
+    mm_payload: Literal["tensors", "none"] | None = None
+    return_mm_kwargs: bool | None = None
+    kv_transfer_params: Object | None = None
+    ec_transfer_params: Object | None = None
+    vllm_xargs: dict[str, Scalar | list[Scalar]] | None = None
+    chat_template_kwargs: Object | None = None
+
+
+class CountTokensFields(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """POST /v1/messages/count_tokens (Anthropic protocol)."""
+
+    model: str | None = None
+    messages: list[Object] | None = None
+    system: str | list[Object] | None = None
+    tools: list[Object] | None = None
+    tool_choice: Object | None = None
+    thinking: Object | None = None
+    output_config: Object | None = None
+    chat_template_kwargs: Object | None = None
+
+
+class MessagesFields(CountTokensFields):
+    """POST /v1/messages (Anthropic protocol), as vLLM 0.32's AnthropicMessagesRequest reads it."""
+
+    max_tokens: int | None = None
+    metadata: Object | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    cache_salt: str | None = None
+    watermarking: bool | None = None
+    mm_payload: Literal["tensors", "none"] | None = None
+    return_mm_kwargs: bool | None = None
+    kv_transfer_params: Object | None = None
+    ec_transfer_params: Object | None = None
+    vllm_xargs: dict[str, Scalar | list[Scalar]] | None = None
+
+
+class TokenizeFields(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """POST /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Object | str] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: Object | None = None
+    tools: list[Object] | None = None
+    media_io_kwargs: dict[str, Object] | None = None
+    mm_processor_kwargs: Object | None = None
+
+
+class DetokenizeFields(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int] | None = None
+
+
 _WHERE = re.compile(r" - at `\$\.?(.*)`$")
 
 
@@ -121,3 +241,7 @@ def check_fields(body: Object, fields: type[msgspec.Struct]) -> None:
         where = f"'{param}': " if param else ""
         raise BadRequest(f"{where}{reason[0].lower()}{reason[1:]}.", param=param,
                          code="invalid_type") from exc
+
+
+class NoFields(msgspec.Struct, forbid_unknown_fields=False):
+    """A route whose request carries no body the appliance reads."""

@@ -106,7 +106,7 @@ def _clamp_field(body: MutableMapping[str, Any], field: str, room: int,
 def _context_exceeded(
     body: Mapping[str, Any], max_model_len: int, prompt_tokens: int
 ) -> BadRequest:
-    what = "messages" if "messages" in body else "prompt"
+    what = next((key for key in ("messages", "input") if key in body), "prompt")
     return BadRequest(
         f"This model's maximum context length is {max_model_len} tokens. However, your "
         f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the {what}.",

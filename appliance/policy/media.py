@@ -80,6 +80,80 @@ def find_media_parts(body: Mapping[str, Any]) -> list[MediaPart]:
     return found
 
 
+def find_batch_media_parts(body: Mapping[str, Any]) -> list[MediaPart]:
+    """Every media item of every conversation of a chat batch (messages[i][j].content[k])."""
+    conversations = body.get("messages")
+    if not isinstance(conversations, list):
+        return []
+    found: list[MediaPart] = []
+    for i, conversation in enumerate(conversations):
+        for part in find_media_parts({"messages": conversation}):
+            found.append(MediaPart(f"messages[{i}]{part.param.removeprefix('messages')}",
+                                   part.kind, part.source, part.encoding))
+    return found
+
+
+def find_responses_media(body: Mapping[str, Any]) -> list[MediaPart]:
+    """Every media item of a Responses input: message content parts (input_image, input_file,
+    input_audio) and the parts a function_call_output may carry."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return []
+    found: list[MediaPart] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        for key in ("content", "output"):
+            parts = item.get(key)
+            for j, part in enumerate(parts if isinstance(parts, list) else []):
+                if isinstance(part, dict):
+                    found.extend(_media_items(part, f"input[{i}].{key}[{j}]"))
+    return found
+
+
+def find_anthropic_media(body: Mapping[str, Any]) -> list[MediaPart]:
+    """Every image and document block of an Anthropic request, tool results' included."""
+    found: list[MediaPart] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        found.extend(_anthropic_blocks(system, "system"))
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            found.extend(_anthropic_blocks(content, f"messages[{i}].content"))
+    return found
+
+
+def _anthropic_blocks(blocks: list[Any], param: str) -> list[MediaPart]:
+    found: list[MediaPart] = []
+    for k, block in enumerate(blocks):
+        if not isinstance(block, dict):
+            continue
+        where, kind = f"{param}[{k}]", block.get("type")
+        if kind == "image":
+            found.append(MediaPart(where, "image", _anthropic_source(block.get("source"))))
+        elif kind == "document":
+            found.append(MediaPart(where, "file", None))
+        elif kind == "tool_result" and isinstance(block.get("content"), list):
+            found.extend(_anthropic_blocks(block["content"], f"{where}.content"))
+    return found
+
+
+def _anthropic_source(source: Any) -> str | None:
+    """The URL the engine would read for an image source: a URL, or base64 as a data URL."""
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "url":
+        url = source.get("url")
+        return url if isinstance(url, str) else None
+    data, media_type = source.get("data"), source.get("media_type", "image/jpeg")
+    if source.get("type", "base64") != "base64" or not isinstance(data, str) \
+            or not isinstance(media_type, str):
+        return None
+    return f"data:{media_type};base64,{data}"
+
+
 def check_media(
     parts: Sequence[MediaPart],
     *,

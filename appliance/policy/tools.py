@@ -69,6 +69,24 @@ def apply_thinking(
     return thinking is not None or body.get("chat_template_kwargs") != before
 
 
+def apply_template_defaults(body: MutableMapping[str, Any], default_kwargs: Mapping[str, Any],
+                            *, thinking_off: bool) -> bool:
+    """chat_template_kwargs: the configured defaults under the client's own, and
+    enable_thinking False when `thinking_off` and the client did not choose; True if changed.
+
+    For APIs whose thinking switch is their own (Anthropic `thinking`, Responses `reasoning`),
+    which vLLM reads itself: nothing but chat_template_kwargs is touched.
+    """
+    before = body.get("chat_template_kwargs")
+    client = _client_kwargs(body)
+    merged = {**copy.deepcopy(dict(default_kwargs)), **client}
+    if thinking_off and "enable_thinking" not in client:
+        merged["enable_thinking"] = False
+    if merged:
+        body["chat_template_kwargs"] = merged
+    return body.get("chat_template_kwargs") != before
+
+
 def _client_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     value = body.get("chat_template_kwargs")
     if value is None:

@@ -1,8 +1,11 @@
-"""The OpenAI-protocol routes: generation through the gate and the relay, and the model list."""
+"""The OpenAI-protocol routes: generation through the gate and the relay (chat, completions,
+the chat batch, SageMaker-style /invocations), and the model list; `generation(...)` builds
+every route that makes the engine work, for every family."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,16 +14,20 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 from litestar.types import ASGIApp
 
-from appliance.apis import CHAT, COMPLETION, GenerationApi
+from appliance import policy
+from appliance.apis import BATCH_CHAT, CHAT, COMPLETION, GenerationApi
 from appliance.context import REQUEST_ID
 from appliance.engine import require_ready
 from appliance.errors import BadRequest, NotFound, RequestTimeout, engine_unavailable
+from appliance.gate import Vetted
 from appliance.relay import Relay, RelayDeps
 from appliance.settings import ServerSettings
 from appliance.upstream import Upstream
 
 # Request headers the worker should see: tracing context, so vLLM continues the client's trace.
 _FORWARDED = ("traceparent", "tracestate")
+
+Prepare = Callable[[Vetted], None]  # a route's own step between the gate and the relay
 
 
 @dataclass(frozen=True)
@@ -33,11 +40,14 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
     return [
         generation("/v1/chat/completions", CHAT, deps),
         generation("/v1/completions", COMPLETION, deps),
+        generation("/v1/chat/completions/batch", BATCH_CHAT, deps),
+        invocations(deps),
         *model_routes(deps.relay.upstream, deps.relay),
     ]
 
 
-def generation(path: str, api: GenerationApi, deps: RouteDeps) -> HTTPRouteHandler:
+def generation(path: str, api: GenerationApi, deps: RouteDeps,
+               prepare: Prepare | None = None) -> HTTPRouteHandler:
     """A generation route: engine ready, JSON body read in bounded time, vetted, relayed."""
     relay, server = deps.relay, deps.server
 
@@ -45,10 +55,38 @@ def generation(path: str, api: GenerationApi, deps: RouteDeps) -> HTTPRouteHandl
         require_ready(relay.engine)
         raw = await read_json_body(request, server.body_timeout_s)
         vetted = await relay.gate.vet(raw, api)
-        forward = {name: value for name in _FORWARDED if (value := request.headers.get(name))}
-        return Relay(vetted, relay, request.headers[REQUEST_ID], forward)
+        if prepare is not None:
+            prepare(vetted)
+        return relay_for(vetted, request, relay)
 
     return post(path, name=api.name, opt={"shape": api.shape}, status_code=200)(handle)
+
+
+def invocations(deps: RouteDeps) -> HTTPRouteHandler:
+    """SageMaker's /invocations: a chat body gets the chat rules, any other the completion
+    rules, and goes to that route of the worker (vLLM routes it the same way, chat first)."""
+    relay, server = deps.relay, deps.server
+
+    @post("/invocations", name="invocations", status_code=200)
+    async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
+        require_ready(relay.engine)
+        raw = await read_json_body(request, server.body_timeout_s)
+        body = policy.parse_json(raw)
+        if body.get("messages") is None and body.get("prompt") is None \
+                and body.get("prompt_embeds") is None:
+            raise BadRequest("An /invocations body is a chat request (with 'messages') or a "
+                             "completion request (with 'prompt').", param="messages",
+                             code="unknown_request_shape")
+        api = CHAT if body.get("messages") is not None else COMPLETION
+        return relay_for(await relay.gate.vet(raw, api), request, relay)
+
+    return handle
+
+
+def relay_for(vetted: Vetted, request: Request[Any, Any, Any], relay: RelayDeps) -> Relay:
+    """The relay that answers this request, with the headers the worker should see."""
+    forward = {name: value for name in _FORWARDED if (value := request.headers.get(name))}
+    return Relay(vetted, relay, request.headers[REQUEST_ID], forward)
 
 
 def model_routes(upstream: Upstream, relay: RelayDeps) -> list[HTTPRouteHandler]:

@@ -3,7 +3,9 @@
 Run: python -m tests.support.synthetic_upstream --port 8100 [--tokens 64] [--token-delay 0]
 It answers /health, /v1/models, /tokenize (4 characters a token), /metrics (the running
 count, as vLLM names it, and how often /tokenize and generation were called) and
-/v1/chat/completions, /v1/completions, streamed or not; a completion's id is made from the
+/v1/chat/completions, /v1/completions, streamed or not; and, in their protocols' shapes,
+/v1/responses (+ /render, retrieve, cancel), /v1/messages (+ /count_tokens),
+/v1/chat/completions/batch, /detokenize and /version. A completion's id is made from the
 X-Request-Id it was sent, as vLLM makes it.
 
 Options that make it behave like the real worker where tests need it to:
@@ -22,6 +24,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -50,6 +53,8 @@ class Upstream:
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
         self.generated = 0
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
+        self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
+        self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -67,8 +72,12 @@ class Upstream:
             if not message.get("more_body"):
                 break
         path = scope["path"]
-        if path in ("/v1/chat/completions", "/v1/completions"):
-            await self._complete(scope, receive, send, json.loads(body or b"{}"))
+        if path in _GENERATIONS:
+            request = json.loads(body or b"{}")
+            self.received.append((path, request))
+            await self._complete(scope, receive, send, request)
+        elif path.startswith("/v1/responses/") or path in _SMALL:
+            await self._small(path, scope, json.loads(body or b"{}"), send)
         elif path == "/health":
             await _json(send, 200, {})
         elif path == "/v1/models":
@@ -106,10 +115,38 @@ class Upstream:
         await _until_disconnect(receive, self._generate(request, path, send,
                                                         _completion_id(scope, path)))
 
+    async def _small(self, path: str, scope: Scope, request: dict[str, Any], send: Any) -> None:
+        """The routes that generate nothing: renders, counts, stored responses, the version."""
+        if path == "/v1/responses/render":  # as vLLM: it checks the budget as generating does
+            if (request.get("max_output_tokens") or 0) > MAX_MODEL_LEN:
+                await _json(send, 400, {"error": {"message": "max_output_tokens too large"}})
+            else:
+                await _json(send, 200, {"token_ids": [1] * _prompt_tokens(request)})
+        elif path == "/v1/messages/count_tokens":
+            await _json(send, 200, {"input_tokens": _prompt_tokens(request)})
+        elif path == "/detokenize":
+            await _json(send, 200, {"prompt": " ".join(map(str, request.get("tokens", [])))})
+        elif path == "/version":
+            await _json(send, 200, {"version": "0.32.0-synthetic"})
+        else:
+            response_id = path.removeprefix("/v1/responses/").removesuffix("/cancel")
+            stored = self.stored.get(response_id)
+            if stored is None:
+                await _json(send, 404, {"error": {
+                    "message": f"Response with id '{response_id}' not found.",
+                    "type": "invalid_request_error", "param": "response_id", "code": 404}})
+            elif path.endswith("/cancel"):
+                await _json(send, 400, {"error": {
+                    "message": "Cannot cancel a synchronous response.",
+                    "type": "invalid_request_error", "param": "response_id", "code": 400}})
+            else:
+                await _json(send, 200, stored)
+
     async def _generate(self, request: dict[str, Any], path: str, send: Any,
                         completion_id: str) -> None:
         chat = path.endswith("chat/completions")
-        budget = request.get("max_completion_tokens") or request.get("max_tokens")
+        budget = (request.get("max_completion_tokens") or request.get("max_tokens")
+                  or request.get("max_output_tokens"))
         prompt = _prompt_tokens(request)
         # As vLLM 0.32: a budget above the window is refused; one the room cannot hold is
         # silently cut to the room.
@@ -124,11 +161,13 @@ class Upstream:
         count = min(self.tokens, budget if isinstance(budget, int) and budget > 0 else self.tokens)
         self.running += 1
         try:
-            if request.get("stream"):
+            if self.delay and not request.get("stream"):
+                await asyncio.sleep(self.delay * count)
+            if path in _PROTOCOLS:
+                await _PROTOCOLS[path](self, request, count, send)
+            elif request.get("stream"):
                 await self._stream(send, chat, count, completion_id)
             else:
-                if self.delay:
-                    await asyncio.sleep(self.delay * count)
                 text = "tok " * count
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                            "finish_reason": "length"} if chat else
@@ -158,6 +197,70 @@ class Upstream:
                     "more_body": False})
 
 
+    async def _responses(self, request: dict[str, Any], count: int, send: Any) -> None:
+        previous = request.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            await _json(send, 404, {"error": {
+                "message": f"Response with id '{previous}' not found.",
+                "type": "invalid_request_error", "param": "response_id", "code": 404}})
+            return
+        response_id = request.get("request_id") or "resp_synthetic"
+        answer = {"id": response_id, "object": "response", "status": "completed",
+                  "model": self.model, "output": [{"type": "message", "role": "assistant",
+                                                   "content": [{"type": "output_text",
+                                                                "text": "tok " * count}]}],
+                  "usage": {"input_tokens": _prompt_tokens(request), "output_tokens": count}}
+        if request.get("store", True):
+            self.stored[response_id] = answer
+        if not request.get("stream"):
+            await _json(send, 200, answer)
+            return
+        events = [("response.created", {"response": answer | {"status": "in_progress"}}),
+                  *(("response.output_text.delta", {"delta": "tok "}) for _ in range(count)),
+                  ("response.completed", {"response": answer})]
+        await self._events(send, [(name, {"type": name, "sequence_number": n, **data})
+                                  for n, (name, data) in enumerate(events)])
+
+    async def _messages(self, request: dict[str, Any], count: int, send: Any) -> None:
+        usage = {"input_tokens": _prompt_tokens(request), "output_tokens": count}
+        if not request.get("stream"):
+            await _json(send, 200, {"id": "msg_synthetic", "type": "message", "role": "assistant",
+                                    "model": self.model, "stop_reason": "max_tokens",
+                                    "content": [{"type": "text", "text": "tok " * count}],
+                                    "usage": usage})
+            return
+        delta = {"type": "content_block_delta", "index": 0,
+                 "delta": {"type": "text_delta", "text": "tok "}}
+        await self._events(send, [("message_start", {"type": "message_start"}),
+                                  *(("content_block_delta", delta) for _ in range(count)),
+                                  ("message_stop", {"type": "message_stop"})])
+
+    async def _batch(self, request: dict[str, Any], count: int, send: Any) -> None:
+        choices = [{"index": i, "message": {"role": "assistant", "content": "tok " * count},
+                    "finish_reason": "length"} for i in range(len(request["messages"]))]
+        await _json(send, 200, {"id": "chatcmpl-batch", "object": "chat.completion",
+                                "model": self.model, "choices": choices})
+
+    async def _events(self, send: Any, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Named SSE events (the Responses and Anthropic protocols), paced as tokens are."""
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for name, data in events:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()})
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+Protocol = Callable[[Upstream, dict[str, Any], int, Any], Any]
+_PROTOCOLS: dict[str, Protocol] = {"/v1/responses": Upstream._responses,
+                                   "/v1/messages": Upstream._messages,
+                                   "/v1/chat/completions/batch": Upstream._batch}
+_GENERATIONS = frozenset({"/v1/chat/completions", "/v1/completions", *_PROTOCOLS})
+_SMALL = frozenset({"/v1/messages/count_tokens", "/detokenize", "/version"})
+
+
 def _prompt_tokens(request: dict[str, Any]) -> int:
     """Four characters a token: a stand-in for the worker's own tokenizer. A batch of prompts
     (strings or token ids) counts as its longest, as vLLM checks each prompt of it."""
@@ -166,7 +269,9 @@ def _prompt_tokens(request: dict[str, Any]) -> int:
         return max(_prompt_tokens({"prompt": p}) for p in prompt)
     if isinstance(prompt, list):
         return max(1, len(prompt))
-    text = prompt or json.dumps(request.get("messages", ""))
+    text = (prompt or request.get("input")
+            or json.dumps([request.get("system"), request.get("messages", "")]
+                          if request.get("system") else request.get("messages", "")))
     return max(1, len(str(text)) // 4)
 
 

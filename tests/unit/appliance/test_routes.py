@@ -21,7 +21,8 @@ def every_route(app: Litestar) -> list[tuple[str, str]]:
     """(method, concrete path) for each handler the app serves, OPTIONS aside."""
     found = []
     for route in app.routes:
-        path = route.path.replace("{model:path}", "some-model")
+        path = route.path.replace("{model:path}", "some-model").replace(
+            "{response_id:str}", "resp_some")
         for method in sorted(route.methods - {"OPTIONS", "HEAD"}):
             found.append((method, path))
     return found
@@ -55,6 +56,34 @@ async def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(prot
             else:
                 assert response.status_code == 401, (method, path, response.text)
                 assert response.json()["error"]["type"] == "authentication_error"
+
+
+async def test_the_surface_routes_are_served_and_guarded() -> None:
+    """The Responses, Anthropic, tokenizer, batch and SageMaker routes are all on the app."""
+    routes = set(every_route(app_with()))
+    assert routes >= {
+        ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_some"),
+        ("POST", "/v1/responses/resp_some/cancel"), ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+        ("GET", "/tokenizer_info"), ("GET", "/version"), ("POST", "/v1/chat/completions/batch"),
+        ("POST", "/invocations"), ("GET", "/v1/models/some-model"),
+    }
+
+
+async def test_only_the_anthropic_routes_take_the_key_as_x_api_key() -> None:
+    app = app_with()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://app") as client:
+        for method, path in every_route(app):
+            if path in OPEN_ALWAYS | OPS:
+                continue
+            response = await client.request(method, path, content=b"{}", headers={
+                "content-type": "application/json", "x-api-key": KEY})
+            anthropic = path.startswith("/v1/messages")
+            assert (response.status_code != 401) is anthropic, (method, path)
+            if anthropic:
+                continue
+            assert response.json()["error"]["type"] == "authentication_error"
 
 
 async def test_livez_stays_open_under_protect_ops_routes() -> None:

@@ -66,6 +66,7 @@ def test_command_binds_loopback_and_uses_the_cpu_recipe() -> None:
     assert "--enforce-eager" in argv
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert argv[argv.index("--allowed-media-domains") + 1] == "none.invalid"
+    assert "--enable-scale-out" in argv  # the render route the Responses budget is counted with
 
 
 def test_exit_descriptions_name_the_signal_and_a_likely_cause() -> None:
