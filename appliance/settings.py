@@ -95,6 +95,7 @@ class EngineSettings(_Group):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     responses_store: bool = True
+    tokenizer_info: bool = True
     trust_remote_code: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)

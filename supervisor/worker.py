@@ -62,6 +62,8 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
     # The gate counts a Responses prompt exactly with the worker's /v1/responses/render, one of
     # vLLM's scale-out routes; they stay on loopback, and the API never exposes them.
     args.append("--enable-scale-out")
+    if engine.tokenizer_info:
+        args.append("--enable-tokenizer-info-endpoint")  # read-only: the chat template, specials
     return args + list(engine.extra_args)
 
 
