@@ -83,11 +83,13 @@ def convert(gguf: Path, work: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    say("reading the tokenizer and chat template from the GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not getattr(tokenizer, "chat_template", None):
         raise ConversionError(f"{gguf.name} carries no chat template; /v1/chat/completions needs one")
     tokenizer.save_pretrained(work)
 
+    say("dequantizing the weights to float32 (the long part)")
     # dequantize=True unpacks every block into a dense float32 tensor: vLLM cannot load
     # transformers' packed GGUF modules, and save_pretrained refuses a quantized model.
     model = AutoModelForCausalLM.from_pretrained(
@@ -101,6 +103,7 @@ def convert(gguf: Path, work: Path) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
+    say("writing safetensors")
     model.save_pretrained(work)
 
 
@@ -130,6 +133,14 @@ def _has_chat_template(directory: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(config.get("chat_template"))
+
+
+def say(what: str) -> None:
+    """One progress line per phase, with the seconds since start (install.sh shows the last)."""
+    print(f"[{time.monotonic() - _STARTED:5.1f} s] {what}", flush=True)
+
+
+_STARTED = time.monotonic()
 
 
 def build(out: Path) -> None:
