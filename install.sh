@@ -148,9 +148,10 @@ run_with_heartbeat() {
     return "$status"
 }
 
-# What the step is doing now, as its own output last said (pip: Collecting/Downloading x).
+# What the step is doing now, as its own output last said (pip: Collecting/Downloading x);
+# of a progress bar redrawn with carriage returns, its latest state.
 last_log_line() {
-    tail -n 1 -- "$LOG" | tr -d '\r' | sed 's/^[[:space:]]*//' | cut -c1-100
+    tail -n 1 -- "$LOG" | tr '\r' '\n' | sed 's/^[[:space:]]*//; /^$/d' | tail -n 1 | cut -c1-100
 }
 
 # Made on first use, so that a run with nothing to do leaves no log behind.

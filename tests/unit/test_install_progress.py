@@ -72,3 +72,11 @@ def test_a_failing_long_step_shows_the_log_tail_and_the_advice(tmp_path: Path) -
     assert "no route" in result.stderr
     assert "install.sh: error: check the network (full log:" in result.stderr
     assert "done in" not in result.stdout
+
+
+def test_the_heartbeat_shows_a_redrawn_progress_bar_at_its_latest_state(tmp_path: Path) -> None:
+    """tqdm (the model conversion) redraws one line with carriage returns."""
+    (tmp_path / "log").write_bytes(b"starting\nConverting: 0%| 0/272\rConverting: 50%| 136/272"
+                                   b"\rConverting: 99%| 270/272")
+    result = bash('LOG="$TMPDIR/log"; last_log_line', tmp_path)
+    assert result.stdout == "Converting: 99%| 270/272\n", result.stderr
