@@ -15,6 +15,7 @@ import psutil
 import structlog
 
 from appliance.settings import EngineSettings
+from supervisor.boot_phases import BootPhases
 from supervisor.sdnotify import ENV_VARS
 from supervisor.worker_output import WorkerOutput
 
@@ -111,8 +112,9 @@ class WorkerProcess:
         self._proc = proc
         self.pid = proc.pid
         self.started_at = started_at
+        self.boot = BootPhases(started_at)
         self._pumps = [
-            asyncio.create_task(_pump(stream, name))
+            asyncio.create_task(_pump(stream, name, self.boot))
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             if stream is not None
         ]
@@ -212,8 +214,9 @@ async def _wait_gone(worker: WorkerProcess, timeout_s: float) -> bool:
     return worker.returncode is not None and not session_members(worker.pid)
 
 
-async def _pump(stream: asyncio.StreamReader, name: str) -> None:
-    """Re-emit the worker's output through structlog, tagged source=worker (see worker_output)."""
+async def _pump(stream: asyncio.StreamReader, name: str, boot: BootPhases) -> None:
+    """Re-emit the worker's output through structlog, tagged source=worker (see worker_output),
+    and read the boot phases from it while it boots."""
     output = WorkerOutput(name)
     try:
         while True:
@@ -223,6 +226,8 @@ async def _pump(stream: asyncio.StreamReader, name: str) -> None:
                 continue
             if not line:
                 return
-            output.line(line.decode(errors="replace").rstrip())
+            text = line.decode(errors="replace").rstrip()
+            boot.feed(text)  # logs a boot phase when a line opens one; nothing once ready
+            output.line(text)
     finally:
         output.close()
