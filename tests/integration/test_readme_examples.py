@@ -43,14 +43,22 @@ def python_blocks() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
 
 
-def run_example(code: str, url: str) -> str:
-    assert PLACEHOLDER in code, f"an example that does not use {PLACEHOLDER} cannot be pointed here"
+def run_examples(blocks: list[str], url: str) -> list[str]:
+    """Runs the blocks in order in one interpreter, as a reader pasting them one after another
+    would (a later block uses the `client` and `model` of the first), and returns each block's
+    own output."""
+    for code in blocks:
+        assert PLACEHOLDER in code, f"an example without {PLACEHOLDER} cannot be pointed here"
+    marker = "----- end of README block -----"
+    script = "".join(f"{code}\nprint({marker!r}, flush=True)\n" for code in blocks)
     env = {key: value for key, value in os.environ.items()
            if not key.lower().endswith("_proxy") and not key.startswith("OPENAI_")}
-    result = subprocess.run([sys.executable, "-c", code.replace(PLACEHOLDER, url)], env=env,
+    result = subprocess.run([sys.executable, "-c", script.replace(PLACEHOLDER, url)], env=env,
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr
-    return result.stdout
+    outputs = result.stdout.split(marker + "\n")
+    assert outputs[-1] == "", outputs[-1]
+    return outputs[:-1]
 
 
 def answers(url: str, **sampling: Any) -> list[str]:
@@ -94,5 +102,6 @@ def test_the_readme_examples_run_as_written(appliance: Appliance) -> None:
     blocks = python_blocks()
     assert blocks, "README.md has no python example"
     assert FIRST_QUESTION in blocks[0]
-    outputs = [run_example(block, appliance.url) for block in blocks]
+    outputs = run_examples(blocks, appliance.url)
+    assert len(outputs) == len(blocks)
     assert all(output.strip() for output in outputs)
