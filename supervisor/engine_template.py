@@ -36,6 +36,7 @@ import os
 import runpy
 import selectors
 import socket
+import stat
 import sys
 import threading
 import time
@@ -239,9 +240,56 @@ def engine_mp_context(vllm_choice: Callable[[], Any]) -> Callable[[], Any]:
             print(LOG_PREFIX, "start_method=spawn reasons=" + "; ".join(unsafe), file=sys.stderr)
             return context
         print(LOG_PREFIX, "start_method=fork threads=" + ",".join(thread_names().values()), file=sys.stderr)
-        return multiprocessing.get_context("fork")
+        return EngineForkContext()
 
     return get_mp_context
+
+
+class EngineForkProcess(multiprocessing.context.ForkProcess):
+    """A forked engine process that lets go of its parent's listening sockets first.
+
+    A spawned EngineCore never holds the API server's port; a forked one would keep it bound
+    after the server dies, so connections would hang in its backlog instead of being refused.
+    """
+
+    def run(self) -> None:
+        release_listening_sockets()
+        super().run()
+
+
+class EngineForkContext(multiprocessing.context.ForkContext):
+    Process = EngineForkProcess
+
+
+def release_listening_sockets() -> None:
+    """Point every inherited listening socket's fd at /dev/null: the socket is released, and
+    the fd number stays taken, so the parent's socket object cannot close a reused fd later."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (int(name) for name in os.listdir("/proc/self/fd")):
+            if fd != devnull and is_listening_socket(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def is_listening_socket(fd: int) -> bool:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        copy = os.dup(fd)
+    except OSError:  # gone meanwhile: the fd that listed /proc/self/fd
+        return False
+    try:
+        probe = socket.socket(fileno=copy)
+    except OSError:  # a family Python does not know
+        os.close(copy)
+        return False
+    with probe:
+        try:
+            return probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        except OSError:
+            return False
 
 
 def cpu_platform() -> bool:

@@ -61,7 +61,7 @@ FAKE_VLLM = {
 }
 
 PROBE = """
-import ctypes, json, sys, threading
+import ctypes, json, socket, sys, threading
 from supervisor import engine_template
 import vllm.v1.engine.utils as launcher_module
 engine_template.install_engine_core_fork_policy()
@@ -75,6 +75,18 @@ def name_thread(name):
     stop.wait()
 
 seen = {"alone": method(launcher_module), "imported_later": method(imported_later)}
+api_port = socket.create_server(("127.0.0.1", 0))  # the API server's, bound before EngineCore
+
+def engine_core():
+    sys.exit(1 if engine_template.is_listening_socket(api_port.fileno()) else 0)
+
+context = launcher_module.get_mp_context()
+if context.get_start_method() == "fork":
+    core = context.Process(target=engine_core)
+    core.start()
+    core.join()
+    seen["engine_core_holds_the_port"] = str(core.exitcode)
+seen["server_holds_the_port"] = str(engine_template.is_listening_socket(api_port.fileno()))
 stop = threading.Event()
 zmq = threading.Thread(target=name_thread, args=("ZMQbg/IO/0",))
 zmq.start()
@@ -110,8 +122,15 @@ def test_engine_core_is_forked_on_the_cpu_only_while_no_foreign_thread_runs(
     assert "start_method=spawn reasons=1 thread(s) besides the main one" in seen["stderr"]
 
 
+def test_a_forked_engine_core_lets_go_of_the_api_servers_port(tmp_path: Path) -> None:
+    """As a spawned one: once the server dies, its port refuses connections at once."""
+    seen = probe(tmp_path, "cpu")
+    assert seen["engine_core_holds_the_port"] == "0"
+    assert seen["server_holds_the_port"] == "True"
+
+
 def test_elsewhere_vllm_keeps_its_own_start_method(tmp_path: Path) -> None:
     """On a GPU vLLM already forks where CUDA allows; the policy never overrides it."""
     seen = probe(tmp_path, "cuda")
-    assert set(seen.values()) - {seen["stderr"]} == {"spawn"}
+    assert {seen[key] for key in ("alone", "imported_later", "with_zmq", "with_a_pool")} == {"spawn"}
 
