@@ -5,15 +5,37 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
-from tests.integration.harness import Appliance, worker_tree
+from tests.integration.harness import Appliance, running_appliance, worker_tree
 
 # A cold start is ~35-50 s here; a fork from the template is several times faster. The bound
-# only catches a restart that silently went cold again: the real number is printed.
+# only catches a restart that silently went cold again (the forks are asserted, the real number
+# printed); on a machine loaded by other work it grows with this run's own cold start.
 RESTART_GUARD_S = 25
+COLD_START_SHARE = 0.75
+
+
+@dataclass
+class Booted:
+    appliance: Appliance
+    cold_start_s: float  # serve -> ready: the template's imports, then the first fork
+
+
+@pytest.fixture(scope="module")
+def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
+    with running_appliance(Path(tmp_path_factory.mktemp("template"))) as running:
+        began = time.monotonic()
+        running.wait_ready()
+        cold_start_s = time.monotonic() - began
+        print(f"cold serve -> ready with the template: {cold_start_s:.1f} s")
+        yield Booted(running, cold_start_s)
 
 
 def template_of(appliance: Appliance) -> psutil.Process:
@@ -42,7 +64,8 @@ def ready_with_a_new_worker(appliance: Appliance, old_pid: int, timeout_s: float
     raise AssertionError(f"not ready again after {timeout_s}s:\n{appliance.tail()}")
 
 
-def test_the_worker_and_its_engine_core_are_forked_from_the_template(appliance: Appliance) -> None:
+def test_the_worker_and_its_engine_core_are_forked_from_the_template(booted: Booted) -> None:
+    appliance = booted.appliance
     pid = appliance.worker_pid()
     template = template_of(appliance)
     assert psutil.Process(pid).ppid() == template.pid, "the worker is the template's child"
@@ -54,7 +77,8 @@ def test_the_worker_and_its_engine_core_are_forked_from_the_template(appliance: 
     print(f"idle template {template.pid}: {memory_mib(template.pid)} MiB")
 
 
-def test_kill_9_of_the_worker_is_ready_again_in_seconds(appliance: Appliance) -> None:
+def test_kill_9_of_the_worker_is_ready_again_in_seconds(booted: Booted) -> None:
+    appliance = booted.appliance
     old_pid = appliance.worker_pid()
     old_tree = worker_tree(old_pid)
     os.kill(old_pid, signal.SIGKILL)
@@ -62,11 +86,14 @@ def test_kill_9_of_the_worker_is_ready_again_in_seconds(appliance: Appliance) ->
     new_pid = ready_with_a_new_worker(appliance, old_pid, timeout_s=120)
     recovered_s = time.monotonic() - killed_at
     print(f"kill -9 -> /health 200 in {recovered_s:.1f} s (load {os.getloadavg()[0]:.1f})")
-    assert recovered_s < RESTART_GUARD_S, "a restart from the template must not be a cold start"
+    bound = max(RESTART_GUARD_S, COLD_START_SHARE * booted.cold_start_s)
+    assert recovered_s < bound, "a restart from the template must not be a cold start"
     assert not worker_tree(old_pid), "no process of the killed worker's session survives"
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                    for p in old_tree)
     assert psutil.Process(new_pid).ppid() == template_of(appliance).pid
+    lines = [str(e["line"]) for e in appliance.log_events() if e.get("event") == "worker.output"]
+    assert not [line for line in lines if "engine_template: start_method=spawn" in line]
     answer = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
