@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # third-party imports can raise anything; reported, then exit 1
         send(control, {"event": "failed", "error": f"preload: {type(exc).__name__}: {exc}"})
         return 1
-    if cuda_initialized():
-        send(control, {"event": "failed", "error": "CUDA was initialised by the preloads"})
+    gpu_files = open_files("/dev/nvidia")
+    if cuda_initialized() or gpu_files:
+        send(control, {"event": "failed",
+                       "error": f"the preloads touched the GPU (CUDA context, open {gpu_files})"})
         return 1
     # What the preloads built lives as long as any worker: keep the collector off it, so a
     # worker's gc.collect() neither walks it (seconds, for vLLM) nor copies its pages on write.
@@ -132,6 +134,17 @@ def ready_facts(preloaded: list[str], skipped: list[str], import_s: float) -> di
 def cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def open_files(prefix: str) -> list[str]:
+    """Paths under `prefix` this process holds open (a CUDA context holds /dev/nvidia*)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the fd that listed the directory is gone
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(prefix):
+                found.append(target)
+    return found
 
 
 # --- the template's loop -----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine_template import Start, validate
+from supervisor.engine_template import Start, open_files, validate
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -37,6 +37,15 @@ def test_a_start_is_run_only_as_the_spawned_worker_would_be(
 
 def test_unknown_requests_are_refused() -> None:
     assert validate({"op": "exec"}, []) == "unknown op 'exec'"
+
+
+def test_device_files_held_open_are_found(tmp_path: Path) -> None:
+    """How the template proves it holds no GPU: no /dev/nvidia* among its open files."""
+    held = tmp_path / "nvidia0"
+    held.touch()
+    assert open_files(str(tmp_path)) == []
+    with held.open():
+        assert open_files(str(tmp_path)) == [str(held)]
 
 
 FAKE_VLLM = {
