@@ -14,7 +14,8 @@ Control channel: a SOCK_SEQPACKET socket passed as --control-fd; one JSON object
 The template never serves. Each start forks a child that leads its own session, takes the fds
 as 1 and 2 (stdin: /dev/null), the argv, environment and cwd it was sent, and runs the module
 exactly as `python -m` would; its exit is the interpreter's ordinary exit. End of file on the
-channel (the supervisor is gone) ends the template; running workers are left to the supervisor.
+channel (the supervisor is gone, or let this template go) ends the template, and kills the
+process groups of the workers it still has: none may run unsupervised.
 
 With --engine-core-fork, vLLM's choice of multiprocessing start method is wrapped: on the CPU
 platform, where vLLM forces "spawn" to protect OpenMP thread pools, EngineCore (and any executor
@@ -35,6 +36,7 @@ import multiprocessing
 import os
 import runpy
 import selectors
+import signal
 import socket
 import stat
 import sys
@@ -162,6 +164,7 @@ def serve(control: socket.socket) -> Start | None:
                     continue
                 message, fds = receive(control)
                 if message is None:
+                    kill_workers(list(children.values()))
                     return None
                 start = validate(message, fds)
                 if isinstance(start, str):
@@ -177,6 +180,18 @@ def serve(control: socket.socket) -> Start | None:
                 children[pidfd] = pid
                 selector.register(pidfd, selectors.EVENT_READ)
                 send(control, {"event": "started", "pid": pid})
+
+
+def kill_workers(pids: list[int]) -> None:
+    """The supervisor is gone or let go of this template: no worker of ours may outlive that
+    unsupervised (under systemd the unit's cgroup would go the same way)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if pids:
+        print(LOG_PREFIX, f"channel closed: killed workers {pids}", file=sys.stderr, flush=True)
 
 
 def reap(control: socket.socket, selector: selectors.BaseSelector, pidfd: int, pid: int) -> None:

@@ -12,10 +12,12 @@ why.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -59,6 +61,11 @@ MAX_TEMPLATE_FAILURES = 3  # consecutive deaths or failed boots before spawning 
 EXIT_UNKNOWN = 255  # a worker whose template died before reaping it: its status is lost
 EXIT_REPORT_GRACE_S = 2.0  # how long a worker seen gone may wait for the template's report
 CLOSE_GRACE_S = 5.0
+
+
+# The template's answer to a start: its message, and the worker's exit status to come (None when
+# it refused).
+Reply = tuple[dict[str, Any], "asyncio.Future[int] | None"]
 
 
 class TemplateError(Exception):
@@ -120,7 +127,7 @@ class TemplateProcess:
         self.facts: dict[str, Any] = {}
         self._sock = sock
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._reply: asyncio.Future[tuple[dict[str, Any], asyncio.Future[int] | None]] | None = None
+        self._replies: collections.deque[asyncio.Future[Reply]] = collections.deque()
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._lock = asyncio.Lock()
         self._tasks = [asyncio.create_task(self._read())] + [
@@ -172,24 +179,30 @@ class TemplateProcess:
         await self.proc.wait()
 
     async def fork(self, argv: list[str], cwd: str, timeout_s: float) -> ForkedWorker:
-        """One worker, forked with this argv and the template's env; TemplateError if refused."""
+        """One worker, forked with this argv and the template's env; TemplateError if refused.
+
+        A worker whose reply comes too late for its caller (timed out, or cancelled) is killed
+        when the reply arrives: nobody would supervise it.
+        """
         async with self._lock:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             request = {"op": "start", "argv": argv, "env": self.env, "cwd": cwd}
-            self._reply = asyncio.get_running_loop().create_future()
+            pending: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+            self._replies.append(pending)
             try:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
-                reply = await asyncio.wait_for(asyncio.shield(self._reply), timeout_s)
-            except (OSError, TimeoutError, TemplateError) as exc:
+                message, exit_status = await asyncio.wait_for(asyncio.shield(pending), timeout_s)
+            except BaseException as exc:
+                pending.add_done_callback(_kill_abandoned)
                 os.close(out_r)
                 os.close(err_r)
-                raise TemplateError(f"no worker from the template: {exc or 'timed out'}") from exc
+                if isinstance(exc, OSError | TimeoutError | TemplateError):
+                    raise TemplateError(f"no worker from the template: {exc or 'timed out'}") from exc
+                raise
             finally:
                 os.close(out_w)
                 os.close(err_w)
-                self._reply = None
-            message, exit_status = reply
             if exit_status is None:
                 os.close(out_r)
                 os.close(err_r)
@@ -220,9 +233,11 @@ class TemplateProcess:
             log.warning("template.channel_error", pid=self.proc.pid, error=str(exc))
         finally:
             gone = TemplateError("the template's channel closed")
-            for waiter in (self._ready, self._reply):
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(gone)
+            if not self._ready.done():
+                self._ready.set_exception(gone)
+            for pending in self._replies:
+                if not pending.done():
+                    pending.set_exception(gone)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         event = message.get("event")
@@ -230,19 +245,31 @@ class TemplateProcess:
             self._ready.set_result(message)
         elif event == "failed" and not self._ready.done():
             self._ready.set_exception(TemplateError(str(message.get("error"))))
-        elif event in ("started", "refused") and self._reply is not None and not self._reply.done():
-            # The exit's future exists before any later message can report that exit.
+        elif event in ("started", "refused") and self._replies:
+            # Replies come in the order of the requests. The exit's future exists before any
+            # later message can report that exit.
             exit_status = None
             if event == "started":
                 exit_status = asyncio.get_running_loop().create_future()
                 self._exits[int(message["pid"])] = exit_status
-            self._reply.set_result((message, exit_status))
+            pending = self._replies.popleft()
+            if not pending.done():
+                pending.set_result((message, exit_status))
         elif event == "exited" and int(message["pid"]) in self._exits:
             status = self._exits.pop(int(message["pid"]))
             if not status.done():
                 status.set_result(int(message["returncode"]))
         else:
             log.warning("template.unexpected_message", message=message)
+
+
+def _kill_abandoned(reply: asyncio.Future[Reply]) -> None:
+    if reply.cancelled() or reply.exception() is not None or reply.result()[1] is None:
+        return
+    pid = int(reply.result()[0]["pid"])
+    log.warning("worker.abandoned", pid=pid, action="SIGKILL to its group")
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 async def _readers(pipes: list[tuple[int, str]]) -> tuple[list[tuple[asyncio.StreamReader, str]],

@@ -193,3 +193,28 @@ def test_the_template_applies_to_vllm_only_and_can_be_turned_off() -> None:
     assert isinstance(build_launcher(EngineSettings(device="cpu")), TemplateLauncher)
     assert isinstance(build_launcher(EngineSettings(template="off")), ProcessLauncher)
     assert isinstance(build_launcher(EngineSettings(command=TREE)), ProcessLauncher)
+
+
+async def test_closing_the_launcher_leaves_no_worker_of_its_template(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """Whatever the manager did or did not stop, the template takes its workers with it."""
+    launcher = launchers(engine("--child"))
+    worker = await launcher.start()
+    await until(lambda: len(session_members(worker.pid)) == 2)
+    await launcher.aclose()
+    await until(lambda: not session_members(worker.pid))
+
+
+async def test_a_worker_forked_for_a_start_that_was_cancelled_is_killed(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    launcher = launchers(engine())
+    await (await launcher.start()).stop(0.5)  # the template is ready now
+    template = launcher.template
+    assert template is not None
+    with capture_logs() as logs:
+        forking = asyncio.create_task(template.fork(TREE, os.getcwd(), 10))
+        await asyncio.sleep(0)  # the request is sent; the reply is not read yet
+        forking.cancel()
+        await until(lambda: any(e["event"] == "worker.abandoned" for e in logs))
+    pid = next(e["pid"] for e in logs if e["event"] == "worker.abandoned")
+    await until(lambda: not session_members(pid))
