@@ -288,10 +288,11 @@ async def _readers(pipes: list[tuple[int, str]]) -> tuple[list[tuple[asyncio.Str
 
 
 def _watch_pid(pid: int, gone: Any) -> int | None:
-    """A pidfd that becomes readable when `pid` ends (None if it already has)."""
+    """A pidfd that becomes readable when `pid` ends; None if it already has (or the kernel
+    predates pidfds: the template's report is then the only word on the exit)."""
     try:
         pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
+    except OSError:
         return None
     asyncio.get_running_loop().add_reader(pidfd, gone)
     return pidfd
