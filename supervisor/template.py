@@ -1,12 +1,9 @@
-"""Workers forked from the worker template, so a restart skips the imports; spawn as fallback.
+"""The worker template's process, seen from the supervisor, and the workers it forks.
 
 The template (supervisor/engine_template.py, run by path in the engine venv) imports vLLM once
 and forks each worker on request; a forked worker leads its own session like a spawned one and
 is supervised the same way (SessionWorker): its exit comes from the template's report, its stop
-signals its process group. The launcher keeps one template ready: started with the first worker,
-replaced when it dies or the engine venv changes, and given up after repeated failures. Whenever
-no template can serve a start, the worker is spawned as before and `worker.spawn_fallback` says
-why.
+signals its process group. When to use, replace or give up a template is supervisor/launcher.py's.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +130,8 @@ class TemplateProcess:
         self._lock = asyncio.Lock()
         self._tasks = [asyncio.create_task(self._read())] + [
             asyncio.create_task(pump_lines(stream, name, "template.output", "template"))
-            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")) if stream
+            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+            if stream is not None
         ]
 
     @classmethod
@@ -189,9 +188,13 @@ class TemplateProcess:
             err_r, err_w = os.pipe()
             request = {"op": "start", "argv": argv, "env": self.env, "cwd": cwd}
             pending: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-            self._replies.append(pending)
             try:
-                socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
+                try:
+                    socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                self._replies.append(pending)  # only a request that went out gets a reply
                 message, exit_status = await asyncio.wait_for(asyncio.shield(pending), timeout_s)
             except BaseException as exc:
                 pending.add_done_callback(_kill_abandoned)
@@ -200,9 +203,6 @@ class TemplateProcess:
                 if isinstance(exc, OSError | TimeoutError | TemplateError):
                     raise TemplateError(f"no worker from the template: {exc or 'timed out'}") from exc
                 raise
-            finally:
-                os.close(out_w)
-                os.close(err_w)
             if exit_status is None:
                 os.close(out_r)
                 os.close(err_r)
@@ -287,7 +287,7 @@ async def _readers(pipes: list[tuple[int, str]]) -> tuple[list[tuple[asyncio.Str
     return streams, transports
 
 
-def _watch_pid(pid: int, gone: Any) -> int | None:
+def _watch_pid(pid: int, gone: Callable[[], None]) -> int | None:
     """A pidfd that becomes readable when `pid` ends; None if it already has (or the kernel
     predates pidfds: the template's report is then the only word on the exit)."""
     try:
