@@ -218,3 +218,16 @@ async def test_a_worker_forked_for_a_start_that_was_cancelled_is_killed(
         await until(lambda: any(e["event"] == "worker.abandoned" for e in logs))
     pid = next(e["pid"] for e in logs if e["event"] == "worker.abandoned")
     await until(lambda: not session_members(pid))
+
+
+async def test_a_changed_worker_environment_replaces_the_template(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """The template imported under the old environment: its modules may have read it."""
+    launcher = launchers(engine("--exit", "0", MARK="one"))
+    await (await launcher.start()).wait()
+    launcher._engine = engine("--exit", "0", MARK="two")
+    with capture_logs() as logs:
+        worker = await launcher.start()
+    assert isinstance(worker, ForkedWorker) and await worker.wait() == 0
+    assert [e["reason"] for e in logs if e["event"] == "template.retired"] == [
+        "worker environment changed"]
