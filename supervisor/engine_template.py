@@ -231,8 +231,8 @@ def run_child(start: Start) -> int:
     os.dup2(start.fds[1], 2)
     close_all([devnull, *start.fds])
     os.chdir(start.cwd)
-    os.environ.clear()
-    os.environ.update(start.env)
+    apply_environment(start.env)
+    show_command_line(start.argv)
     if start.argv[1] == "-m":
         sys.path.insert(0, os.getcwd())  # what `python -m` puts first
         sys.argv = start.argv[2:]  # runpy replaces argv[0] with the module's file, as -m does
@@ -242,6 +242,32 @@ def run_child(start: Start) -> int:
         sys.argv = start.argv[1:]
         runpy.run_path(start.argv[1], run_name="__main__")
     return 0
+
+
+def show_command_line(argv: list[str]) -> None:
+    """`ps` shows the worker's own command line, as for a spawned worker, not the template's;
+    its short name (comm) stays the interpreter's, which setproctitle would also change."""
+    try:
+        setproctitle = importlib.import_module("setproctitle")
+    except ImportError:  # not in this venv: the template's command line stays
+        return
+    with open("/proc/self/comm") as comm:
+        name = comm.read().strip()
+    setproctitle.setproctitle(" ".join(argv))
+    with open("/proc/self/comm", "w") as comm:
+        comm.write(name)
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Make os.environ exactly `env`, touching only what differs. The supervisor starts the
+    template with the workers' environment, so normally nothing is touched: rewriting environ
+    would move it away from argv, where setproctitle looks for the memory it may reuse (vLLM
+    names its processes VLLM::EngineCore and so on with it)."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 # --- EngineCore by fork ------------------------------------------------------------------------
