@@ -70,6 +70,10 @@ def test_the_worker_and_its_engine_core_are_forked_from_the_template(booted: Boo
     template = template_of(appliance)
     assert psutil.Process(pid).ppid() == template.pid, "the worker is the template's child"
     assert os.getsid(pid) == pid, "the worker leads a session of its own"
+    server = psutil.Process(pid)
+    assert "-m vllm.entrypoints.launchers.api_server.entry" in " ".join(server.cmdline())
+    assert [p for p in server.children() if p.name() == "VLLM::EngineCore"], \
+        "EngineCore is named as vLLM names it (setproctitle works in a forked worker)"
     lines = [e["line"] for e in appliance.log_events() if e.get("event") == "worker.output"]
     assert any("engine_template: start_method=fork" in str(line) for line in lines), \
         "EngineCore was forked, not spawned (no foreign thread at the fork)"
