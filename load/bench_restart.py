@@ -80,14 +80,23 @@ def phases(appliance: Appliance, killed_at: float) -> dict[str, float]:
     return found
 
 
+def memory_mib(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        rows = [line.split() for line in rollup]
+    return {row[0].rstrip(":"): int(row[1]) // 1024 for row in rows
+            if row[0] in ("Rss:", "Pss:", "Private_Dirty:")}
+
+
 def template_memory_mib(appliance: Appliance) -> dict[str, int]:
     for child in psutil.Process(appliance.proc.pid).children():
         if any("engine_template.py" in arg for arg in child.cmdline()):
-            with open(f"/proc/{child.pid}/smaps_rollup") as rollup:
-                rows = [line.split() for line in rollup]
-            return {row[0].rstrip(":"): int(row[1]) // 1024 for row in rows
-                    if row[0] in ("Rss:", "Pss:", "Private_Dirty:")}
+            return memory_mib(child.pid)
     return {}
+
+
+def worker_pss_mib(pid: int) -> int:
+    """Proportional memory of the whole worker tree: what it really adds to the machine."""
+    return sum(memory_mib(p)["Pss"] for p in worker_tree(pid))
 
 
 def bench(mode: str, runs: int) -> None:
@@ -95,7 +104,8 @@ def bench(mode: str, runs: int) -> None:
             running_appliance(Path(tmp), engine__template=mode) as appliance:
         began = time.monotonic()
         pid = int(appliance.wait_ready(timeout_s=900)["pid"])
-        emit(template=mode, cold_serve_to_ready_s=round(time.monotonic() - began, 1))
+        emit(template=mode, cold_serve_to_ready_s=round(time.monotonic() - began, 1),
+             worker_pss_mib=worker_pss_mib(pid))
         for _ in range(runs):
             killed_at, began = time.time(), time.monotonic()
             os.kill(pid, signal.SIGKILL)
