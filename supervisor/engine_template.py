@@ -2,7 +2,8 @@
 
 Run BY PATH with the engine venv's interpreter, never imported: the engine venv holds the
 `supervisor` distribution (supervisord), whose import name collides with this package, so this
-file imports nothing from the repository, only the standard library and what it preloads.
+file imports nothing from the repository as a package, only the standard library, what it
+preloads, and its sibling engine_fork.py by path.
 
 Control channel: a SOCK_SEQPACKET socket passed as --control-fd; one JSON object per message.
   template -> supervisor   {"event": "ready", facts...} once the preloads are imported
@@ -17,11 +18,8 @@ exactly as `python -m` would; its exit is the interpreter's ordinary exit. End o
 channel (the supervisor is gone, or let this template go) ends the template, and kills the
 process groups of the workers it still has: none may run unsupervised.
 
-With --engine-core-fork, vLLM's choice of multiprocessing start method is wrapped: on the CPU
-platform, where vLLM forces "spawn" to protect OpenMP thread pools, EngineCore (and any executor
-worker) is forked instead when, at that moment, the forking process runs no thread but its own
-and libzmq's background threads: no OpenMP or BLAS pool exists yet, so none can be broken by the
-fork. Otherwise vLLM's own choice stands and the worker's stderr says why.
+With --engine-core-fork, EngineCore is forked on the CPU where that is safe: see engine_fork.py,
+loaded by path from this directory.
 """
 
 from __future__ import annotations
@@ -31,19 +29,17 @@ import array
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
-import multiprocessing
 import os
 import runpy
 import selectors
 import signal
 import socket
-import stat
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 # Running a file by path puts its directory first on sys.path: this repository's modules would
@@ -51,13 +47,22 @@ from typing import Any
 if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]
 
+
+def load_sibling(name: str) -> ModuleType:
+    """A module of this directory, loaded by path under a name no distribution uses."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"chat_appliance_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+engine_fork = load_sibling("engine_fork")
+
 MAX_MESSAGE_BYTES = 1 << 20
 START_FDS = 2  # the worker's stdout and stderr
-# libzmq names its I/O and reaper threads; a forked child never touches the parent's context.
-FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
-# A new thread carries the process's name until it names itself: wait that long for names.
-THREAD_NAME_SETTLE_S = 0.5
-LOG_PREFIX = "chat-appliance engine_template:"
 
 
 @dataclass
@@ -90,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(name)
         skipped = warm(args.warm)
         if args.engine_core_fork:
-            install_engine_core_fork_policy()
+            engine_fork.install_engine_core_fork_policy()
     except Exception as exc:  # third-party imports can raise anything; reported, then exit 1
         send(control, {"event": "failed", "error": f"preload: {type(exc).__name__}: {exc}"})
         return 1
     gpu_files = open_files("/dev/nvidia")
-    if cuda_initialized() or gpu_files:
+    if engine_fork.cuda_initialized() or gpu_files:
         send(control, {"event": "failed",
                        "error": f"the preloads touched the GPU (CUDA context, open {gpu_files})"})
         return 1
@@ -128,14 +133,9 @@ def ready_facts(preloaded: list[str], skipped: list[str], import_s: float) -> di
         "site_packages": [p for p in sys.path if p.endswith("site-packages")],
         "preloaded": preloaded, "skipped": skipped, "modules": len(sys.modules),
         "import_s": round(import_s, 2),
-        "threads": len(thread_names()), "cuda_initialized": False,
+        "threads": len(engine_fork.thread_names()), "cuda_initialized": False,
         "vllm_version": getattr(vllm, "__version__", None),
     }
-
-
-def cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def open_files(prefix: str) -> list[str]:
@@ -191,7 +191,7 @@ def kill_workers(pids: list[int]) -> None:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
     if pids:
-        print(LOG_PREFIX, f"channel closed: killed workers {pids}", file=sys.stderr, flush=True)
+        print(engine_fork.LOG_PREFIX, f"channel closed: killed workers {pids}", file=sys.stderr, flush=True)
 
 
 def reap(control: socket.socket, selector: selectors.BaseSelector, pidfd: int, pid: int) -> None:
@@ -268,118 +268,6 @@ def apply_environment(env: dict[str, str]) -> None:
     for key, value in env.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
-
-
-# --- EngineCore by fork ------------------------------------------------------------------------
-
-
-def install_engine_core_fork_policy() -> None:
-    """Route every vLLM lookup of get_mp_context through the fork policy below."""
-    system_utils = importlib.import_module("vllm.utils.system_utils")
-    vllm_choice = system_utils.get_mp_context
-    policy = engine_mp_context(vllm_choice)
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get("get_mp_context") is vllm_choice:
-            setattr(module, "get_mp_context", policy)  # noqa: B010 (a module of vLLM's, untyped)
-
-
-def engine_mp_context(vllm_choice: Callable[[], Any]) -> Callable[[], Any]:
-    def get_mp_context() -> Any:
-        context = vllm_choice()
-        if context.get_start_method() != "spawn" or not cpu_platform():
-            return context  # vLLM's own choice: fork where it allows it (CUDA), or a reason
-        unsafe = fork_unsafe_reasons()
-        if unsafe:
-            print(LOG_PREFIX, "start_method=spawn reasons=" + "; ".join(unsafe), file=sys.stderr)
-            return context
-        print(LOG_PREFIX, "start_method=fork threads=" + ",".join(thread_names().values()), file=sys.stderr)
-        return EngineForkContext()
-
-    return get_mp_context
-
-
-class EngineForkProcess(multiprocessing.context.ForkProcess):
-    """A forked engine process that lets go of its parent's listening sockets first.
-
-    A spawned EngineCore never holds the API server's port; a forked one would keep it bound
-    after the server dies, so connections would hang in its backlog instead of being refused.
-    """
-
-    def run(self) -> None:
-        release_listening_sockets()
-        super().run()
-
-
-class EngineForkContext(multiprocessing.context.ForkContext):
-    Process = EngineForkProcess
-
-
-def release_listening_sockets() -> None:
-    """Point every inherited listening socket's fd at /dev/null: the socket is released, and
-    the fd number stays taken, so the parent's socket object cannot close a reused fd later."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    try:
-        for fd in (int(name) for name in os.listdir("/proc/self/fd")):
-            if fd != devnull and is_listening_socket(fd):
-                os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-
-
-def is_listening_socket(fd: int) -> bool:
-    try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return False
-        copy = os.dup(fd)
-    except OSError:  # gone meanwhile: the fd that listed /proc/self/fd
-        return False
-    try:
-        probe = socket.socket(fileno=copy)
-    except OSError:  # a family Python does not know
-        os.close(copy)
-        return False
-    with probe:
-        try:
-            return probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
-        except OSError:
-            return False
-
-
-def cpu_platform() -> bool:
-    return bool(importlib.import_module("vllm.platforms").current_platform.is_cpu())
-
-
-def fork_unsafe_reasons() -> list[str]:
-    reasons = []
-    if "--numa-bind" in sys.argv:
-        reasons.append("--numa-bind needs spawn")
-    if cuda_initialized():
-        reasons.append("CUDA is initialised")
-    foreign = foreign_threads()
-    if foreign:
-        reasons.append(f"{len(foreign)} thread(s) besides the main one and libzmq's: {foreign}")
-    return reasons
-
-
-def foreign_threads() -> list[str]:
-    """Threads other than the caller's and libzmq's, after their names had time to settle."""
-    deadline = time.monotonic() + THREAD_NAME_SETTLE_S
-    own = threading.get_native_id()
-    while True:
-        foreign = [name for tid, name in thread_names().items()
-                   if tid != own and not name.startswith(FORK_SAFE_THREAD_PREFIXES)]
-        if not foreign or time.monotonic() >= deadline:
-            return foreign
-        time.sleep(0.02)
-
-
-def thread_names() -> dict[int, str]:
-    names = {}
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
-            names[int(tid)] = comm.read().strip()  # OSError: a thread that ended while we looked
-    return names
 
 
 # --- the channel -------------------------------------------------------------------------------
