@@ -129,7 +129,7 @@ class TemplateProcess:
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._lock = asyncio.Lock()
         self._tasks = [asyncio.create_task(self._read())] + [
-            asyncio.create_task(pump_lines(stream, name, "template.output", "template"))
+            asyncio.create_task(pump_lines(stream, functools.partial(_template_line, name)))
             for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
             if stream is not None
         ]
@@ -261,6 +261,10 @@ class TemplateProcess:
                 status.set_result(int(message["returncode"]))
         else:
             log.warning("template.unexpected_message", message=message)
+
+
+def _template_line(stream: str, line: str) -> None:
+    log.info("template.output", source="template", stream=stream, line=line)
 
 
 def _kill_abandoned(reply: asyncio.Future[Reply]) -> None:
