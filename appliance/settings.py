@@ -99,6 +99,10 @@ class EngineSettings(_Group):
     trust_remote_code: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    # "auto": fork workers from a template that imported vLLM once (spawn if it cannot serve).
+    template: Literal["auto", "off"] = "auto"
+    template_boot_timeout_s: float = Field(180.0, gt=0)
+    template_fork_timeout_s: float = Field(10.0, gt=0)
 
     @field_validator("host")
     @classmethod

@@ -19,6 +19,7 @@ from appliance.engine import EngineState
 from appliance.settings import Settings
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.gpuwatch import build_gpu_watch
+from supervisor.launcher import build_launcher
 from supervisor.manager import EngineManager
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
@@ -26,7 +27,6 @@ from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor
 from supervisor.probe import HttpProber
 from supervisor.sdnotify import Notifier
-from supervisor.worker import ProcessLauncher
 
 log = structlog.get_logger("supervisor.serve")
 
@@ -77,7 +77,7 @@ async def serve(settings: Settings) -> int:
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = ProcessLauncher(engine, settings.policy.allowed_media_hosts)
+    launcher = build_launcher(engine, settings.policy.allowed_media_hosts)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
@@ -133,6 +133,7 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
     await prober.aclose()
+    await launcher.aclose()
     if gpu is not None:
         gpu.close()
     log.info("supervisor.stopped", restarts=manager.restarts)

@@ -7,6 +7,8 @@ import contextlib
 import os
 import signal
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -105,26 +107,26 @@ class Worker(Protocol):
     async def stop(self, grace_s: float) -> StopReport: ...
 
 
-class WorkerProcess:
-    """One running worker: the server process leads its own session, children included."""
+class SessionWorker(ABC):
+    """A worker that leads its own session: its output re-emitted, its whole tree stopped.
 
-    def __init__(self, proc: asyncio.subprocess.Process, started_at: float) -> None:
-        self._proc = proc
-        self.pid = proc.pid
+    Subclasses say how its exit is learnt: a child of ours (WorkerProcess) or of the template.
+    """
+
+    def __init__(self, pid: int, started_at: float,
+                 streams: Iterable[tuple[asyncio.StreamReader, str]]) -> None:
+        self.pid = pid
         self.started_at = started_at
         self.boot = BootPhases(started_at)
-        self._pumps = [
-            asyncio.create_task(_pump(stream, name, self.boot))
-            for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
-            if stream is not None
-        ]
+        self._pumps = [asyncio.create_task(_pump(stream, name, self.boot))
+                       for stream, name in streams]
 
     @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
+    @abstractmethod
+    def returncode(self) -> int | None: ...
 
-    async def wait(self) -> int:
-        return await self._proc.wait()
+    @abstractmethod
+    async def wait(self) -> int: ...
 
     def tree_pids(self) -> set[int]:
         """Every live process in the worker's session: the server, EngineCore, helpers."""
@@ -142,8 +144,8 @@ class WorkerProcess:
             escalated = True
             log.warning("worker.stop_escalated", pid=self.pid, grace_s=grace_s, signal="SIGKILL")
             _signal_group(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            await asyncio.wait_for(self._proc.wait(), timeout=10)
+        with contextlib.suppress(ProcessLookupError, TimeoutError):
+            await asyncio.wait_for(self.wait(), timeout=10)
         stragglers = session_members(self.pid)
         for proc in stragglers:  # a child that left the process group still shares the session
             with contextlib.suppress(psutil.Error):
@@ -151,7 +153,24 @@ class WorkerProcess:
         await asyncio.to_thread(psutil.wait_procs, stragglers, 5)
         for pump in self._pumps:
             pump.cancel()
-        return StopReport(self._proc.returncode, escalated, [p.pid for p in stragglers])
+        return StopReport(self.returncode, escalated, [p.pid for p in stragglers])
+
+
+class WorkerProcess(SessionWorker):
+    """A worker spawned as our own child process."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, started_at: float) -> None:
+        streams = [(s, n) for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+                   if s is not None]
+        super().__init__(proc.pid, started_at, streams)
+        self._proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
 
 
 class ProcessLauncher:
@@ -179,6 +198,9 @@ class ProcessLauncher:
         log.info("worker.spawned", pid=proc.pid, argv=command)
         return WorkerProcess(proc, time.monotonic())
 
+    async def aclose(self) -> None:
+        """Nothing to release: each worker is stopped by the manager."""
+
 
 def session_members(sid: int) -> list[psutil.Process]:
     """Live, non-zombie processes whose session id is `sid` (the worker leads its session)."""
@@ -204,7 +226,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-async def _wait_gone(worker: WorkerProcess, timeout_s: float) -> bool:
+async def _wait_gone(worker: SessionWorker, timeout_s: float) -> bool:
     """True once the server exited and no other member of its session is alive."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -214,20 +236,28 @@ async def _wait_gone(worker: WorkerProcess, timeout_s: float) -> bool:
     return worker.returncode is not None and not session_members(worker.pid)
 
 
+async def pump_lines(stream: asyncio.StreamReader, line: Callable[[str], None]) -> None:
+    """Read a child's output line by line into `line`, until end of file."""
+    while True:
+        try:
+            raw = await stream.readline()
+        except ValueError:  # a line beyond the reader's limit: skip it rather than stall the pipe
+            continue
+        if not raw:
+            return
+        line(raw.decode(errors="replace").rstrip())
+
+
 async def _pump(stream: asyncio.StreamReader, name: str, boot: BootPhases) -> None:
     """Re-emit the worker's output through structlog, tagged source=worker (see worker_output),
     and read the boot phases from it while it boots."""
     output = WorkerOutput(name)
+
+    def line(text: str) -> None:
+        boot.feed(text)  # logs a boot phase when a line opens one; nothing once ready
+        output.line(text)
+
     try:
-        while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line beyond the reader's limit: skip it rather than stall
-                continue
-            if not line:
-                return
-            text = line.decode(errors="replace").rstrip()
-            boot.feed(text)  # logs a boot phase when a line opens one; nothing once ready
-            output.line(text)
+        await pump_lines(stream, line)
     finally:
         output.close()

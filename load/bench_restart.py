@@ -1,0 +1,130 @@
+"""What a restart costs with and without the worker template, on the real CPU worker, in one run.
+
+    python -m load.bench_restart [--runs 3] [--template both|auto|off]
+
+Per mode: cold `serve` -> /health 200, then `--runs` times kill -9 of the worker's server pid ->
+/health 200 from a new worker, each with the CPU seconds the new worker tree spent getting there
+(less inflated by other work on the machine than wall time) and its phases from the appliance's
+log, in seconds after the kill: stopped (the old tree reaped), started (forked or spawned),
+core (EngineCore starts), engine (EngineCore ready), listening (vLLM's server up), ready. Then
+the idle template's memory. One JSON object per line; the load average is in each, as every
+phase slows with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from tests.integration.harness import Appliance, running_appliance, worker_tree
+
+STATE_PHASES = {"backoff": "stopped", "ready": "ready"}
+LINE_PHASES = {  # the worker's own log lines
+    "core": "Initializing a V1 LLM engine",
+    "engine": "init engine (profile",
+    "listening": "Starting vLLM server",
+}
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps({**fields, "load": round(os.getloadavg()[0], 1)}), flush=True)
+
+
+def ready_again(appliance: Appliance, old_pid: int, timeout_s: float = 600) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            health = appliance.health()
+            if health.status_code == 200 and health.json()["pid"] != old_pid:
+                return int(health.json()["pid"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"not ready after {timeout_s}s:\n{appliance.tail()}")
+
+
+def tree_cpu_s(pid: int) -> float:
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return round(sum(sum(p.cpu_times()[:2]) for p in tree), 1)
+
+
+def phase_of(event: dict[str, Any]) -> str | None:
+    name, line = event.get("event"), str(event.get("line", ""))
+    if name == "engine.state":
+        return STATE_PHASES.get(str(event.get("new")))
+    if name in ("worker.forked", "worker.spawned"):
+        return "started"
+    if name == "worker.output":
+        return next((phase for phase, text in LINE_PHASES.items() if text in line), None)
+    return None
+
+
+def phases(appliance: Appliance, killed_at: float) -> dict[str, float]:
+    """Seconds from the kill (wall clock) to the first log event of each phase after it."""
+    found: dict[str, float] = {}
+    for event in appliance.log_events():
+        at = datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+        phase = phase_of(event)
+        if phase is not None and at >= killed_at and phase not in found:
+            found[phase] = round(at - killed_at, 1)
+    return found
+
+
+def memory_mib(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        rows = [line.split() for line in rollup]
+    return {row[0].rstrip(":"): int(row[1]) // 1024 for row in rows
+            if row[0] in ("Rss:", "Pss:", "Private_Dirty:")}
+
+
+def template_memory_mib(appliance: Appliance) -> dict[str, int]:
+    for child in psutil.Process(appliance.proc.pid).children():
+        if any("engine_template.py" in arg for arg in child.cmdline()):
+            return memory_mib(child.pid)
+    return {}
+
+
+def worker_pss_mib(pid: int) -> int:
+    """Proportional memory of the whole worker tree: what it really adds to the machine."""
+    return sum(memory_mib(p)["Pss"] for p in worker_tree(pid))
+
+
+def bench(mode: str, runs: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp, \
+            running_appliance(Path(tmp), engine__template=mode) as appliance:
+        began = time.monotonic()
+        pid = int(appliance.wait_ready(timeout_s=900)["pid"])
+        emit(template=mode, cold_serve_to_ready_s=round(time.monotonic() - began, 1),
+             worker_pss_mib=worker_pss_mib(pid))
+        for _ in range(runs):
+            killed_at, began = time.time(), time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            old, pid = pid, ready_again(appliance, pid)
+            emit(template=mode, kill_9_to_ready_s=round(time.monotonic() - began, 1),
+                 worker_tree_cpu_s=tree_cpu_s(pid), orphans=worker_tree(old),
+                 phases=phases(appliance, killed_at))
+        if mode == "auto":
+            emit(template=mode, idle_template_mib=template_memory_mib(appliance))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--template", choices=["both", "auto", "off"], default="both")
+    args = parser.parse_args()
+    for mode in (["auto", "off"] if args.template == "both" else [args.template]):
+        bench(mode, args.runs)
+
+
+if __name__ == "__main__":
+    main()

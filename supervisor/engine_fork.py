@@ -1,0 +1,148 @@
+"""EngineCore by fork on the CPU, where that is safe: the policy the worker template installs.
+
+Loaded by path by supervisor/engine_template.py (the engine venv's `supervisor` distribution
+shadows this package there), so it imports nothing from the repository.
+
+vLLM's CPU platform forces the "spawn" start method, to protect OpenMP thread pools: a fork
+copies a pool's state but not its threads. Spawn costs EngineCore (and any executor worker) a
+fresh interpreter and vLLM's imports again, ~13 s each here. The policy wraps vLLM's
+get_mp_context: on the CPU platform, when vLLM says spawn, it forks instead if, at that moment,
+the forking process runs no thread but its own and libzmq's background threads (which the child
+never uses), so no OpenMP or BLAS pool exists yet; otherwise vLLM's choice stands and stderr
+says why. Elsewhere (CUDA) vLLM's own choice always stands: it forks there already, unless CUDA
+is initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+# libzmq names its I/O and reaper threads; a forked child never touches the parent's context.
+FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
+# A new thread carries the process's name until it names itself: wait that long for names.
+THREAD_NAME_SETTLE_S = 0.5
+LOG_PREFIX = "chat-appliance engine_template:"
+
+
+def install_engine_core_fork_policy() -> None:
+    """Route every vLLM lookup of get_mp_context through the fork policy below."""
+    system_utils = importlib.import_module("vllm.utils.system_utils")
+    vllm_choice = system_utils.get_mp_context
+    policy = engine_mp_context(vllm_choice)
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("get_mp_context") is vllm_choice:
+            setattr(module, "get_mp_context", policy)  # noqa: B010 (a module of vLLM's, untyped)
+
+
+def engine_mp_context(vllm_choice: Callable[[], Any]) -> Callable[[], Any]:
+    def get_mp_context() -> Any:
+        context = vllm_choice()
+        if context.get_start_method() != "spawn" or not cpu_platform():
+            return context  # vLLM's own choice: fork where it allows it (CUDA), or a reason
+        unsafe = fork_unsafe_reasons()
+        if unsafe:
+            print(LOG_PREFIX, "start_method=spawn reasons=" + "; ".join(unsafe), file=sys.stderr)
+            return context
+        print(LOG_PREFIX, "start_method=fork threads=" + ",".join(thread_names().values()), file=sys.stderr)
+        return EngineForkContext()
+
+    return get_mp_context
+
+
+class EngineForkProcess(multiprocessing.context.ForkProcess):
+    """A forked engine process that lets go of its parent's listening sockets first.
+
+    A spawned EngineCore never holds the API server's port; a forked one would keep it bound
+    after the server dies, so connections would hang in its backlog instead of being refused.
+    """
+
+    def run(self) -> None:
+        release_listening_sockets()
+        super().run()
+
+
+class EngineForkContext(multiprocessing.context.ForkContext):
+    Process = EngineForkProcess
+
+
+def release_listening_sockets() -> None:
+    """Point every inherited listening socket's fd at /dev/null: the socket is released, and
+    the fd number stays taken, so the parent's socket object cannot close a reused fd later."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (int(name) for name in os.listdir("/proc/self/fd")):
+            if fd != devnull and is_listening_socket(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def is_listening_socket(fd: int) -> bool:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        copy = os.dup(fd)
+    except OSError:  # gone meanwhile: the fd that listed /proc/self/fd
+        return False
+    try:
+        probe = socket.socket(fileno=copy)
+    except OSError:  # a family Python does not know
+        os.close(copy)
+        return False
+    with probe:
+        try:
+            return probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        except OSError:
+            return False
+
+
+def cpu_platform() -> bool:
+    return bool(importlib.import_module("vllm.platforms").current_platform.is_cpu())
+
+
+def fork_unsafe_reasons() -> list[str]:
+    reasons = []
+    if "--numa-bind" in sys.argv:
+        reasons.append("--numa-bind needs spawn")
+    if cuda_initialized():
+        reasons.append("CUDA is initialised")
+    foreign = foreign_threads()
+    if foreign:
+        reasons.append(f"{len(foreign)} thread(s) besides the main one and libzmq's: {foreign}")
+    return reasons
+
+
+def foreign_threads() -> list[str]:
+    """Threads other than the caller's and libzmq's, after their names had time to settle."""
+    deadline = time.monotonic() + THREAD_NAME_SETTLE_S
+    own = threading.get_native_id()
+    while True:
+        foreign = [name for tid, name in thread_names().items()
+                   if tid != own and not name.startswith(FORK_SAFE_THREAD_PREFIXES)]
+        if not foreign or time.monotonic() >= deadline:
+            return foreign
+        time.sleep(0.02)
+
+
+def thread_names() -> dict[int, str]:
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
+            names[int(tid)] = comm.read().strip()  # OSError: a thread that ended while we looked
+    return names
+
+
+def cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
