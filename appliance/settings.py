@@ -99,6 +99,8 @@ class EngineSettings(_Group):
     trust_remote_code: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    # vLLM's caches (torch.compile, Inductor, Triton, startup plan); None: $XDG_CACHE_HOME/vllm.
+    cache_dir: Path | None = None
     # "auto": fork workers from a template that imported vLLM once (spawn if it cannot serve).
     template: Literal["auto", "off"] = "auto"
     template_boot_timeout_s: float = Field(180.0, gt=0)
@@ -110,6 +112,14 @@ class EngineSettings(_Group):
         if value != "localhost" and not ipaddress.ip_address(value).is_loopback:
             raise ValueError("the worker must listen on a loopback address only")
         return value
+
+    def resolved_cache_dir(self) -> Path:
+        """Where the worker keeps what a restart reuses: the state directory's cache under
+        systemd (the unit sets XDG_CACHE_HOME there), ~/.cache/vllm elsewhere."""
+        if self.cache_dir is not None:
+            return self.cache_dir.expanduser()
+        root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(root) / "vllm"
 
     def resolved_device(self) -> Literal["cuda", "cpu"]:
         if self.device != "auto":

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Awaitable, Iterator
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -60,6 +62,22 @@ class Signals:
         (self.first if self.count == 1 else self.second).set()
 
 
+def prepare_cache_dir(path: Path) -> bool:
+    """The worker's cache root must exist and be writable, or every restart compiles again: say
+    so once at start (a warning, not a failure; the worker still runs, only slower to restart)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        log.warning("engine.cache_unwritable", path=str(path), error=error.strerror or str(error),
+                    hint="set engine.cache_dir to a writable directory (ReadWritePaths under systemd)")
+        return False
+    log.info("engine.cache_dir", path=str(path))
+    return True
+
+
 async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     signals = Signals()
@@ -68,6 +86,7 @@ async def serve(settings: Settings) -> int:
     sup, engine = settings.supervisor, settings.engine
 
     # 1. The engine manager, its monitors and the GPU monitor (absent GPU: probes alone).
+    prepare_cache_dir(engine.resolved_cache_dir())
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
     progress = ProgressMonitor(prober, sup)

@@ -81,7 +81,21 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
     if engine.resolved_device() == "cpu":
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1" if engine.responses_store else "0"
+    env.update(cache_env(engine))
     env.update(engine.env)
+    return env
+
+
+def cache_env(engine: EngineSettings) -> dict[str, str]:
+    """One cache root that outlives the worker: vLLM puts its torch.compile, Inductor and Triton
+    caches under VLLM_CACHE_ROOT, so a restart on a GPU loads compiled graphs instead of
+    compiling again. There the memory-profiling result is kept too (vLLM's startup plan, reused
+    only while the model, config, hardware and free memory still match). Nothing here matters on
+    the CPU default, which runs eager."""
+    root = engine.resolved_cache_dir()
+    env = {"VLLM_CACHE_ROOT": str(root)}
+    if engine.resolved_device() == "cuda":
+        env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     return env
 
 

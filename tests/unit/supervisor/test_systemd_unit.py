@@ -85,3 +85,12 @@ def test_gpu_device_nodes_stay_reachable() -> None:
 def test_jit_memory_is_not_denied() -> None:
     """CUDA PTX JIT, Triton and torch.compile need writable+executable memory."""
     assert values("MemoryDenyWriteExecute") == []
+
+
+def test_the_worker_cache_root_is_inside_a_writable_path() -> None:
+    """VLLM_CACHE_ROOT defaults to $XDG_CACHE_HOME/vllm: under ProtectSystem=strict and
+    ProtectHome it must lie under a ReadWritePaths entry, or every restart compiles again."""
+    env = dict(value.split("=", 1) for value in values("Environment"))
+    cache = Path(env["XDG_CACHE_HOME"]) / "vllm"
+    assert values("ProtectSystem") == ["strict"] and values("ProtectHome") == ["yes"]
+    assert any(cache.is_relative_to(path) for path in values("ReadWritePaths")), cache

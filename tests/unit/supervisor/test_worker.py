@@ -6,13 +6,16 @@ import asyncio
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import structlog
 
 from appliance.settings import EngineSettings
 from supervisor.exits import describe_exit
-from supervisor.worker import ProcessLauncher, build_command, session_members
+from supervisor.serve import prepare_cache_dir
+from supervisor.worker import ProcessLauncher, build_command, build_env, session_members
 
 pytestmark = pytest.mark.anyio
 
@@ -74,3 +77,30 @@ def test_command_binds_loopback_and_uses_the_cpu_recipe() -> None:
 def test_exit_descriptions_name_the_signal_and_a_likely_cause() -> None:
     assert describe_exit(1) == "exit 1"
     assert describe_exit(-9).startswith("SIGKILL (killed: out of memory")
+
+
+def test_the_cache_root_outlives_the_worker_and_the_startup_plan_is_kept_on_a_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keeps torch.compile, Inductor and Triton caches under VLLM_CACHE_ROOT: the supervisor
+    sets it to one directory every start shares (the unit's XDG_CACHE_HOME by default)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "state-cache"))
+    cpu = build_env(EngineSettings(device="cpu"))
+    assert cpu["VLLM_CACHE_ROOT"] == str(tmp_path / "state-cache" / "vllm")
+    assert "VLLM_ENABLE_STARTUP_PLAN" not in cpu  # the CPU never profiles GPU memory
+    gpu = build_env(EngineSettings(device="cuda", cache_dir=tmp_path / "mine"))
+    assert gpu["VLLM_CACHE_ROOT"] == str(tmp_path / "mine")
+    assert gpu["VLLM_ENABLE_STARTUP_PLAN"] == "1"
+    override = build_env(EngineSettings(device="cuda", env={"VLLM_ENABLE_STARTUP_PLAN": "0"}))
+    assert override["VLLM_ENABLE_STARTUP_PLAN"] == "0"  # engine.env has the last word
+
+
+def test_an_unwritable_cache_root_is_a_warning_that_names_it(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    with structlog.testing.capture_logs() as logs:
+        assert not prepare_cache_dir(tmp_path / "a-file" / "vllm")
+        assert prepare_cache_dir(tmp_path / "cache" / "vllm")
+    assert (tmp_path / "cache" / "vllm").is_dir()
+    warning, info = logs
+    assert warning["event"] == "engine.cache_unwritable" and warning["log_level"] == "warning"
+    assert warning["path"] == str(tmp_path / "a-file" / "vllm")
+    assert info["event"] == "engine.cache_dir"
