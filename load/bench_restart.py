@@ -3,7 +3,9 @@
     python -m load.bench_restart [--runs 3] [--template both|auto|off]
 
 Per mode: cold `serve` -> /health 200, then `--runs` times kill -9 of the worker's server pid ->
-/health 200 from a new worker, each with the CPU seconds the new worker tree spent getting there
+/health 200 from a new worker, then `--runs` times SIGSTOP of EngineCore while a stream runs ->
+the hang declared (/health not 200) and -> /health 200 from a new worker, all at the default
+settings, each with the CPU seconds the new worker tree spent getting there
 (less inflated by other work on the machine than wall time) and its phases from the appliance's
 log, in seconds after the kill: stopped (the old tree reaped), started (forked or spawned),
 core (EngineCore starts), engine (EngineCore ready), listening (vLLM's server up), ready. Then
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -99,11 +102,48 @@ def worker_pss_mib(pid: int) -> int:
     return sum(memory_mib(p)["Pss"] for p in worker_tree(pid))
 
 
+def engine_core(worker_pid: int) -> psutil.Process:
+    children = psutil.Process(worker_pid).children(recursive=True)
+    return next(p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name())
+
+
+def stream_story(url: str, started: threading.Event, ended: list[str]) -> None:
+    body = {"messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            started.set()
+            if line:
+                ended[:] = [line]
+
+
+def sigstop_under_a_stream(appliance: Appliance, pid: int) -> tuple[int, dict[str, Any]]:
+    """SIGSTOP of EngineCore with a stream in flight: seconds to the hang's declaration (the
+    health endpoint leaves 200) and to a new worker's 200; the stream's last line."""
+    started, ended = threading.Event(), [""]
+    thread = threading.Thread(target=stream_story, args=(appliance.url, started, ended))
+    thread.start()
+    if not started.wait(120):
+        raise RuntimeError("the stream never started")
+    stopped_at, began = time.time(), time.monotonic()
+    engine_core(pid).send_signal(signal.SIGSTOP)
+    while appliance.health().status_code == 200:
+        time.sleep(0.05)
+    declared_s = time.monotonic() - began
+    new = ready_again(appliance, pid)
+    thread.join(60)
+    cause = appliance.health().json().get("last_exit") or {}
+    return new, {"sigstop_to_declared_s": round(declared_s, 1),
+                 "sigstop_to_ready_s": round(time.monotonic() - began, 1),
+                 "reason": cause.get("reason"), "stream_last_line": ended[0][:80],
+                 "phases": phases(appliance, stopped_at)}
+
+
 def bench(mode: str, runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             running_appliance(Path(tmp), engine__template=mode) as appliance:
         began = time.monotonic()
-        pid = int(appliance.wait_ready(timeout_s=900)["pid"])
+        pid = int(str(appliance.wait_ready(timeout_s=900)["pid"]))
         emit(template=mode, cold_serve_to_ready_s=round(time.monotonic() - began, 1),
              worker_pss_mib=worker_pss_mib(pid))
         for _ in range(runs):
@@ -113,6 +153,9 @@ def bench(mode: str, runs: int) -> None:
             emit(template=mode, kill_9_to_ready_s=round(time.monotonic() - began, 1),
                  worker_tree_cpu_s=tree_cpu_s(pid), orphans=worker_tree(old),
                  phases=phases(appliance, killed_at))
+        for _ in range(runs):
+            old, (pid, result) = pid, sigstop_under_a_stream(appliance, pid)
+            emit(template=mode, **result, orphans=worker_tree(old))
         if mode == "auto":
             emit(template=mode, idle_template_mib=template_memory_mib(appliance))
 
