@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import uvicorn
 
+from appliance.app import create_app
 from appliance.engine import EngineState
+from appliance.settings import Settings
 from tests.net import free_port
 from tests.support.synthetic_upstream import Upstream
 
@@ -78,3 +81,36 @@ async def upstream(tokens: int = 8, delay: float = 0.0) -> AsyncIterator[tuple[U
     fake = Upstream(tokens, delay, "synthetic")
     async with serving(fake, port):
         yield fake, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def appliance(engine: FakeEngine, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The real app over a real socket in front of `engine`, and a client for it."""
+    port = free_port()
+    async with serving(create_app(Settings(**settings), engine), port), httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=10
+    ) as client:
+        yield client
+
+
+async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def stream_until_lost(client: httpx.AsyncClient, engine: FakeEngine, path: str,
+                            body: dict[str, Any], after_lines: int) -> list[str]:
+    """Streams `body` to `path`, declares the engine lost once `after_lines` non-empty lines
+    arrived, and returns every non-empty line up to the stream's own end."""
+    lines: list[str] = []
+    async with client.stream("POST", path, json=body) as response:
+        async for line in response.aiter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == after_lines:
+                engine.fire_lost()
+    return lines
+

@@ -5,28 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
-from appliance.app import create_app
 from appliance.engine import EngineState
-from appliance.settings import Settings
 from tests.support.synthetic_upstream import Upstream
-from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+from tests.unit.appliance.fakes import (
+    FakeEngine,
+    appliance,
+    eventually,
+    free_port,
+    stream_until_lost,
+    upstream,
+)
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
-
-@contextlib.asynccontextmanager
-async def appliance(engine: FakeEngine, **settings: object) -> AsyncIterator[httpx.AsyncClient]:
-    port = free_port()
-    async with serving(create_app(Settings(**settings), engine), port), httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{port}", timeout=10
-    ) as client:
-        yield client
 
 
 @pytest.mark.parametrize("state", [EngineState.STARTING, EngineState.BACKOFF,
@@ -71,18 +66,13 @@ async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
     engine_url: str
     async with upstream(tokens=500, delay=0.01) as (fake, engine_url):
         engine = FakeEngine(engine_url)
-        async with appliance(engine) as client, client.stream(
-            "POST", "/v1/chat/completions", json=CHAT | {"max_tokens": 500, "stream": True}
-        ) as response:
-            lines: list[str] = []
-            async for line in response.aiter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    engine.fire_lost()
+        async with appliance(engine) as client:
+            lines = await stream_until_lost(
+                client, engine, "/v1/chat/completions", CHAT | {"max_tokens": 500, "stream": True},
+                after_lines=3)
         assert lines[-1] == "data: [DONE]"
         assert '"code":"engine_lost"' in lines[-2]
-        await _eventually(lambda: fake.running == 0)  # the upstream request was closed too
+        await eventually(lambda: fake.running == 0)  # the upstream request was closed too
         assert engine.watchers == 0  # the relay's subscription went with it
 
 
@@ -98,11 +88,11 @@ async def test_unreachable_worker_is_503_not_500() -> None:
 async def test_client_disconnect_closes_the_upstream_request() -> None:
     async with upstream(tokens=200, delay=0.05) as (fake, url), appliance(FakeEngine(url)) as c:
         request = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT | {"max_tokens": 200}))
-        await _eventually(lambda: fake.running == 1)
+        await eventually(lambda: fake.running == 1)
         request.cancel()  # the client goes away mid-request, not streaming
         with contextlib.suppress(asyncio.CancelledError):
             await request
-        await _eventually(lambda: fake.running == 0, within_s=0.5)
+        await eventually(lambda: fake.running == 0, within_s=0.5)
 
 
 async def test_streaming_client_disconnect_closes_the_upstream_request() -> None:
@@ -111,7 +101,7 @@ async def test_streaming_client_disconnect_closes_the_upstream_request() -> None
                             json=CHAT | {"max_tokens": 200, "stream": True}) as response:
             async for _ in response.aiter_lines():
                 break
-        await _eventually(lambda: fake.running == 0, within_s=0.5)
+        await eventually(lambda: fake.running == 0, within_s=0.5)
 
 
 async def test_oversized_body_is_413_in_the_openai_shape() -> None:
@@ -123,13 +113,6 @@ async def test_oversized_body_is_413_in_the_openai_shape() -> None:
     assert response.status_code == 413
     assert response.json()["error"]["type"] == "invalid_request_error"
 
-
-async def _eventually(condition: object, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():  # type: ignore[operator]
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def _prompts_counted(fake: Upstream) -> list[dict[str, object]]:

@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from appliance.app import create_app
 from appliance.engine import EngineState
-from appliance.settings import Settings
-from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+from tests.unit.appliance.fakes import (
+    FakeEngine,
+    appliance,
+    eventually,
+    stream_until_lost,
+    upstream,
+)
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-surface-unit-key"
@@ -24,21 +27,6 @@ RESPONSES = {"model": "synthetic", "input": "hi", "max_output_tokens": 4}
 PNG = "iVBORw0KGgoAAAAAAAAAAAAAAAA="
 
 
-@contextlib.asynccontextmanager
-async def appliance(engine: FakeEngine, **settings: object) -> AsyncIterator[httpx.AsyncClient]:
-    port = free_port()
-    async with serving(create_app(Settings(**settings), engine), port), httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{port}", timeout=10
-    ) as client:
-        yield client
-
-
-async def _eventually(condition: object, within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():  # type: ignore[operator]
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
@@ -91,7 +79,7 @@ async def test_messages_beyond_admission_is_429_rate_limit_error_in_anthropic_sh
             FakeEngine(url), policy={"max_inflight": 1}) as client:
         held = asyncio.create_task(client.post("/v1/messages", json=MESSAGES | {
             "max_tokens": 200}))
-        await _eventually(lambda: fake.running == 1)
+        await eventually(lambda: fake.running == 1)
         refused = await client.post("/v1/messages", json=MESSAGES)
         anthropic_error(refused, 429, "rate_limit_error")
         assert refused.headers["retry-after"] == "1"
@@ -116,19 +104,14 @@ async def test_image_block_to_a_text_only_model_never_reaches_the_engine() -> No
 async def test_messages_stream_lost_mid_way_ends_with_an_anthropic_error_event() -> None:
     async with upstream(tokens=500, delay=0.01) as (fake, url):
         engine = FakeEngine(url)
-        async with appliance(engine) as client, client.stream(
-                "POST", "/v1/messages", json=MESSAGES | {"max_tokens": 500, "stream": True}
-        ) as response:
-            lines: list[str] = []
-            async for line in response.aiter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 4:
-                    engine.fire_lost()
+        async with appliance(engine) as client:
+            lines = await stream_until_lost(
+                client, engine, "/v1/messages", MESSAGES | {"max_tokens": 500, "stream": True},
+                after_lines=4)
         assert lines[-2] == "event: error"
         data = json.loads(lines[-1].removeprefix("data: "))
         assert data["type"] == "error" and data["error"]["type"] == "overloaded_error"
-        await _eventually(lambda: fake.running == 0)
+        await eventually(lambda: fake.running == 0)
 
 
 async def test_messages_budget_is_clamped_with_the_workers_count_tokens() -> None:
@@ -180,15 +163,10 @@ async def test_a_response_id_from_before_a_restart_is_a_404_naming_the_restart()
 async def test_responses_stream_lost_mid_way_ends_with_error_and_response_failed() -> None:
     async with upstream(tokens=500, delay=0.01) as (fake, url):
         engine = FakeEngine(url)
-        async with appliance(engine) as client, client.stream(
-                "POST", "/v1/responses", json=RESPONSES | {"max_output_tokens": 500,
-                                                           "stream": True}) as response:
-            lines: list[str] = []
-            async for line in response.aiter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 6:
-                    engine.fire_lost()
+        async with appliance(engine) as client:
+            lines = await stream_until_lost(
+                client, engine, "/v1/responses",
+                RESPONSES | {"max_output_tokens": 500, "stream": True}, after_lines=6)
         created = json.loads(lines[1].removeprefix("data: "))
         assert lines[-4:-3] == ["event: error"] and lines[-2] == "event: response.failed"
         error = json.loads(lines[-3].removeprefix("data: "))
@@ -200,7 +178,7 @@ async def test_responses_stream_lost_mid_way_ends_with_error_and_response_failed
         assert failed["response"]["id"] == created["response"]["id"]
         assert failed["response"]["status"] == "failed"
         assert "[DONE]" not in "".join(lines)
-        await _eventually(lambda: fake.running == 0)
+        await eventually(lambda: fake.running == 0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -233,11 +211,11 @@ async def test_responses_client_disconnect_closes_the_upstream_request(stream: b
     body = RESPONSES | {"max_output_tokens": 200, "stream": stream}
     async with upstream(tokens=200, delay=0.05) as (fake, url), appliance(FakeEngine(url)) as c:
         request = asyncio.create_task(c.post("/v1/responses", json=body))
-        await _eventually(lambda: fake.running == 1)
+        await eventually(lambda: fake.running == 1)
         request.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await request
-        await _eventually(lambda: fake.running == 0, within_s=0.5)
+        await eventually(lambda: fake.running == 0, within_s=0.5)
 
 
 # --- batch, invocations, tokenizer ------------------------------------------------------------
@@ -304,7 +282,7 @@ async def test_tokenize_takes_a_slot_and_the_media_guard() -> None:
         assert neither.status_code == 400
         held = asyncio.create_task(client.post("/v1/completions", json={
             "prompt": "x", "max_tokens": 200}))
-        await _eventually(lambda: fake.running == 1)
+        await eventually(lambda: fake.running == 1)
         assert (await client.post("/tokenize", json={"prompt": "x"})).status_code == 429
         assert (await client.get("/version")).status_code == 200  # relayed: no slot
         held.cancel()
