@@ -167,7 +167,7 @@ class SupervisorSettings(_Group):
     backoff_jitter: float = Field(0.2, ge=0, le=1)
     crash_loop_restarts: int = Field(5, ge=1)
     crash_loop_window_s: float = Field(600.0, gt=0)
-    boot_poll_s: float = Field(1.0, gt=0)
+    boot_poll_s: float = Field(0.25, gt=0)
     progress_interval_s: float = Field(1.0, gt=0)
     hang_stall_s: float = Field(5.0, gt=0)
     hang_cpu_floor: float = Field(0.02, ge=0)

@@ -31,6 +31,9 @@ import psutil
 
 from tests.integration.harness import Appliance, running_appliance, worker_tree
 
+# 2 x runs faults within minutes are a crash loop to the default guard (5 in 10 minutes, then
+# `failed`); each fault here stands for one on its own, so the guard is set out of reach.
+CRASH_LOOP_OFF = 100
 STATE_PHASES = {"backoff": "stopped", "ready": "ready"}
 LINE_PHASES = {  # the worker's own log lines
     "core": "Initializing a V1 LLM engine",
@@ -141,7 +144,8 @@ def sigstop_under_a_stream(appliance: Appliance, pid: int) -> tuple[int, dict[st
 
 def bench(mode: str, runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, \
-            running_appliance(Path(tmp), engine__template=mode) as appliance:
+            running_appliance(Path(tmp), engine__template=mode,
+                              supervisor__crash_loop_restarts=str(CRASH_LOOP_OFF)) as appliance:
         began = time.monotonic()
         pid = int(str(appliance.wait_ready(timeout_s=900)["pid"]))
         emit(template=mode, cold_serve_to_ready_s=round(time.monotonic() - began, 1),

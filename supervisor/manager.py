@@ -188,7 +188,9 @@ class EngineManager:
             self._crash_loop.record(self._clock())
             if self._crash_loop.tripped(self._clock()):
                 continue
-            delay = self._backoff.next_delay()
+            # A worker that became ready proved the engine boots: restart it at once. Failed
+            # boots back off; the crash-loop guard above bounds crashes after ready.
+            delay = 0.0 if cause.phase == "running" else self._backoff.next_delay()
             self._retry_at = self._clock() + delay
             self._set_state(EngineState.BACKOFF, f"restart in {delay:.1f}s after {cause.reason}")
             await self._nap(delay)
@@ -210,23 +212,20 @@ class EngineManager:
         watcher.add_done_callback(lambda _: self._on_exit(worker))
         for monitor in self._monitors:
             monitor.reset()
-        served_s = 0.0
         try:
             cause = await self._boot(worker)
             if cause is None:
                 self._ready_since = self._clock()
                 self._set_state(EngineState.READY, f"worker {worker.pid} serving")
+                self._backoff.reset()  # it booted: the next failed boot starts a fresh series
                 self._recovered()
                 cause = await self._watch(worker)
-                served_s = self._clock() - self._ready_since
         finally:
             self._fire_lost()
             self._ready_since = None
         self._recovery = {"detected": self._clock()}
         cause = await self._stop_worker(worker, cause)
         watcher.cancel()
-        if served_s >= self._sup.backoff_max_s:
-            self._backoff.reset()  # it served a good while: this is a fresh failure, not a loop
         return self._record(cause)
 
     def _on_exit(self, worker: Worker) -> None:

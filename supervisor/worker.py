@@ -26,6 +26,7 @@ log = structlog.get_logger("supervisor.worker")
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 NO_MEDIA_HOST = "none.invalid"
+PIPE_LINE_LIMIT = 2**16  # bytes per output line, as asyncio's own default; longer lines are skipped
 
 
 def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) -> list[str]:
@@ -152,6 +153,8 @@ class SessionWorker(ABC):
         if frozen:  # a SIGSTOPped process cannot act on SIGTERM: waiting the grace is waste
             log.warning("worker.frozen", pids=frozen, action="SIGKILL without grace")
             grace_s = 0.0
+        elif self.returncode is not None:  # the server is gone: its leftovers serve no one
+            grace_s = 0.0
         _signal_group(self.pid, signal.SIGTERM)
         escalated = False
         if not await _wait_gone(self, grace_s):
@@ -173,18 +176,37 @@ class SessionWorker(ABC):
 class WorkerProcess(SessionWorker):
     """A worker spawned as our own child process."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, started_at: float) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, exited: asyncio.Future[None],
+                 started_at: float) -> None:
         streams = [(s, n) for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
                    if s is not None]
         super().__init__(proc.pid, started_at, streams)
         self._proc = proc
+        self._exited = exited
 
     @property
     def returncode(self) -> int | None:
         return self._proc.returncode
 
     async def wait(self) -> int:
-        return await self._proc.wait()
+        await asyncio.shield(self._exited)
+        assert self._proc.returncode is not None
+        return self._proc.returncode
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol for a child with pipes, which also says the moment the child ends:
+    Process.wait() returns only once its pipes close too, and vLLM's EngineCore holds them
+    open for seconds after its server was killed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=PIPE_LINE_LIMIT, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
 
 
 class ProcessLauncher:
@@ -201,7 +223,9 @@ class ProcessLauncher:
                 "or set engine.python"
             )
         command = self._engine.command or build_command(self._engine, self._media_hosts)
-        proc = await asyncio.create_subprocess_exec(
+        loop = asyncio.get_running_loop()
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _ExitProtocol(loop),
             *command,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -209,8 +233,9 @@ class ProcessLauncher:
             env=build_env(self._engine),
             start_new_session=True,  # own session and group: one signal reaches EngineCore too
         )
+        proc = asyncio.subprocess.Process(transport, protocol, loop)
         log.info("worker.spawned", pid=proc.pid, argv=command)
-        return WorkerProcess(proc, time.monotonic())
+        return WorkerProcess(proc, protocol.exited, time.monotonic())
 
     async def aclose(self) -> None:
         """Nothing to release: each worker is stopped by the manager."""

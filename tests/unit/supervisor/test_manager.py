@@ -226,6 +226,26 @@ async def test_backoff_doubles_between_restarts_and_is_capped() -> None:
     assert gaps[:6] == [1, 2, 4, 8, 8, 8]  # each gap: 1 s of failed boot + the backoff delay
 
 
+async def test_a_crash_after_ready_restarts_at_once_and_a_good_boot_resets_the_backoff() -> None:
+    """Boots 100-120 fail (backoff 1, 2, 4), 130 serves and crashes: 140 starts with no delay;
+    140 fails its boot: the delay is the first step again, not the fourth."""
+    clock = FakeClock()
+    launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=pid == 130))
+    manager = make_manager(launcher, clock, crash_loop_restarts=50, startup_timeout_s=1,
+                           health_interval_s=30)
+    delays: list[str] = []
+    manager.listeners.append(
+        lambda old, new, cause: delays.append(cause.split()[2]) if new is EngineState.BACKOFF
+        else None)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: len(delays) >= 5)
+    manager.request_stop()
+    await task
+    assert delays[:5] == ["1.0s", "2.0s", "4.0s", "0.0s", "1.0s"]
+
+
 async def test_crash_loop_goes_failed_and_retries_once_the_window_passes() -> None:
     clock = FakeClock()
     launcher = FakeLauncher(lambda pid: FakeWorker(pid, boots=pid >= 130))
@@ -325,7 +345,7 @@ async def test_restart_timings_are_on_the_exit_and_reported_by_phase() -> None:
     await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
     restart = manager.snapshot()["last_exit"]["restart"]
     assert set(restart) == {"stop_s", "backoff_s", "boot_s", "total_s"}
-    assert restart["backoff_s"] == 1.0  # the first backoff step, on the fake clock
+    assert restart["backoff_s"] == 0.0  # it had been ready: restarted at once
     assert restart["total_s"] == pytest.approx(
         restart["stop_s"] + restart["backoff_s"] + restart["boot_s"])
     assert set(phases) == {"stop", "backoff", "boot", "total"}

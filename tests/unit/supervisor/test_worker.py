@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -56,6 +57,18 @@ async def test_frozen_worker_is_killed_without_waiting_the_grace() -> None:
     while not any(psutil.Process(pid).status() == psutil.STATUS_STOPPED for pid in pids):
         assert time.monotonic() < deadline, "SIGSTOP never took effect"
         await asyncio.sleep(0.01)
+    started = time.monotonic()
+    report = await worker.stop(grace_s=30)  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 10
+    assert report.escalated and not session_members(worker.pid)  # type: ignore[attr-defined]
+
+
+async def test_the_leftovers_of_a_dead_server_are_killed_without_waiting_the_grace() -> None:
+    """kill -9 of vLLM's server leaves EngineCore running; there is nothing left for it to serve,
+    so the restart does not wait stop_grace_s for it to shut down."""
+    worker, pids = await start_tree()
+    os.kill(worker.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    await worker.wait()  # type: ignore[attr-defined]
     started = time.monotonic()
     report = await worker.stop(grace_s=30)  # type: ignore[attr-defined]
     assert time.monotonic() - started < 10
