@@ -7,6 +7,12 @@ load through the appliance, streaming and not, and reads the CPU seconds each pr
 meanwhile: the appliance's own process (API, supervisor, monitors), vLLM's API-server process
 (the worker's leader) and its EngineCore (the model). The result is the ratio of CPU per request,
 appliance / vLLM API server: the gateway must never be what saturates first.
+
+Both processes also spend CPU with no request at all: the appliance watches its worker (the
+engine's /metrics every second, /proc task states, health probes, the status sampler) and vLLM's
+server answers those and runs its own loops. That cost is per second, not per request: it is
+measured in an idle window before the rounds and after them, reported as ms/s, and the table
+shows the ratio both as measured and above that idle cost.
 """
 
 from __future__ import annotations
@@ -40,12 +46,24 @@ class Phase:
     api_server_s: float
     engine_s: float
 
-    def row(self) -> str:
+    def row(self, idle: Idle) -> str:
         per = 1000 / self.requests
-        ratio = self.appliance_s / self.api_server_s if self.api_server_s else float("nan")
+        appliance = self.appliance_s - idle.appliance_per_s * self.wall_s
+        server = self.api_server_s - idle.api_server_per_s * self.wall_s
         return (f"| {self.name} | {self.requests} | {self.wall_s:.1f} | "
                 f"{self.appliance_s * per:.2f} | {self.api_server_s * per:.2f} | "
-                f"{self.engine_s * per:.1f} | **{ratio:.2f}** |")
+                f"{self.engine_s * per:.1f} | **{_ratio(self.appliance_s, self.api_server_s)}** | "
+                f"{appliance * per:.2f} | {server * per:.2f} | **{_ratio(appliance, server)}** |")
+
+
+@dataclass
+class Idle:
+    appliance_per_s: float
+    api_server_per_s: float
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "n/a"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="max_tokens of each answer")
     parser.add_argument("--rounds", type=int, default=2, help="stream/non-stream pairs")
+    parser.add_argument("--idle-s", type=float, default=20.0,
+                        help="seconds of each idle window (before and after the rounds)")
     return parser.parse_args(argv)
 
 
@@ -109,6 +129,14 @@ def measure(name: str, url: str, pids: tuple[int, int, list[int]], args: argpars
     return Phase(name, args.requests, wall, *(b - a for a, b in zip(before, after, strict=True)))
 
 
+def idle(pids: tuple[int, int, list[int]], seconds: float) -> Idle:
+    appliance, server, _ = pids
+    before = (cpu_seconds(appliance), cpu_seconds(server))
+    time.sleep(seconds)
+    return Idle((cpu_seconds(appliance) - before[0]) / seconds,
+                (cpu_seconds(server) - before[1]) / seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
@@ -121,20 +149,29 @@ def main(argv: list[str] | None = None) -> int:
             engine = [p.pid for p in psutil.Process(worker).children(recursive=True)]
             pids = (service.proc.pid, worker, engine)
             measure("warm-up", url, pids, args, stream=True)
+            idles = [idle(pids, args.idle_s)]
             phases = []
             for _ in range(args.rounds):
                 phases.append(measure("streaming", url, pids, args, stream=True))
                 phases.append(measure("non-streaming", url, pids, args, stream=False))
+            idles.append(idle(pids, args.idle_s))
         finally:
             service.stop()
     print(f"\n{args.requests} requests per phase, {args.concurrency} concurrent, "
           f"{args.tokens} tokens each; CPU ms per request\n")
+    base = Idle(sum(i.appliance_per_s for i in idles) / len(idles),
+                sum(i.api_server_per_s for i in idles) / len(idles))
+    print(f"idle, no request ({args.idle_s:.0f} s before and after the rounds): appliance "
+          f"{base.appliance_per_s * 1000:.1f} ms/s, vLLM API server "
+          f"{base.api_server_per_s * 1000:.1f} ms/s\n")
     print("| phase | requests | wall s | appliance | vLLM API server | EngineCore | "
-          "appliance / API server |")
-    print("|---|---|---|---|---|---|---|")
+          "appliance / API server | appliance above idle | API server above idle | "
+          "ratio above idle |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for phase in phases:
-        print(phase.row())
-    print(json.dumps({"phases": [phase.__dict__ for phase in phases]}))
+        print(phase.row(base))
+    print(json.dumps({"idle": [i.__dict__ for i in idles],
+                      "phases": [phase.__dict__ for phase in phases]}))
     return 0
 
 
