@@ -1,0 +1,105 @@
+"""Counting a request's tokens from the worker's usage, without changing what the client gets."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from appliance.usage import Meter
+from tests.unit.admission.vllm_streams import (
+    CHAT_PLAIN,
+    CHAT_TOKENS,
+    CHAT_USAGE,
+    COMPLETION_PLAIN,
+    COMPLETION_TOKENS,
+    COMPLETION_USAGE,
+)
+
+RECORDED = [(CHAT_PLAIN, CHAT_USAGE, CHAT_TOKENS),
+            (COMPLETION_PLAIN, COMPLETION_USAGE, COMPLETION_TOKENS)]
+
+
+def pieces(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({cut % (len(data) + 1) for cut in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def relay(meter: Meter, chunks: list[bytes], strip: bool) -> list[bytes]:
+    async def source() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in meter.tap(source(), strip=strip)]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize(("plain", "with_usage", "tokens"), RECORDED)
+def test_usage_asked_for_the_meter_is_taken_out_and_the_stream_is_as_vllm_sends_it_plain(
+        plain: bytes, with_usage: bytes, tokens: int) -> None:
+    meter = Meter(True)
+    assert b"".join(relay(meter, [with_usage], strip=True)) == plain
+    assert meter.tokens() == tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(RECORDED), st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_split_of_the_stream_into_chunks_gives_the_same_bytes_and_count(
+        recorded: tuple[bytes, bytes, int], cuts: list[int]) -> None:
+    plain, with_usage, tokens = recorded
+    stripped = Meter(True)
+    assert b"".join(relay(stripped, pieces(with_usage, cuts), strip=True)) == plain
+    kept = Meter(True)
+    assert b"".join(relay(kept, pieces(with_usage, cuts), strip=False)) == with_usage
+    assert stripped.tokens() == kept.tokens() == tokens
+
+
+def test_usage_the_client_asked_for_is_passed_on_untouched() -> None:
+    meter = Meter(True)
+    assert b"".join(relay(meter, pieces(CHAT_USAGE, [40, 300, 700]), strip=False)) == CHAT_USAGE
+    assert meter.reported == CHAT_TOKENS
+
+
+def test_whole_events_without_usage_pass_through_as_the_same_chunks() -> None:
+    """The common case costs two substring searches: nothing is split or copied."""
+    events = [event + b"\n\n" for event in CHAT_PLAIN.split(b"\n\n")[:-1]]
+    without_finish = [e for e in events if b'"finish_reason":"' not in e]
+    meter = Meter(True)
+    assert relay(meter, without_finish, strip=True) == without_finish
+    assert meter.reported is None
+
+
+def test_an_unmetered_request_gets_the_very_iterator_back() -> None:
+    async def source() -> AsyncIterator[bytes]:
+        yield b""
+
+    chunks = source()
+    assert Meter(False).tap(chunks, strip=True) is chunks
+
+
+def test_a_stream_cut_before_its_usage_is_charged_an_estimate_and_loses_nothing() -> None:
+    cut = CHAT_USAGE[:CHAT_USAGE.index(b'"finish_reason":"length"') + 60]
+    meter = Meter(True, prompt_bytes=400)
+    assert b"".join(relay(meter, [cut], strip=True)) == cut
+    assert meter.reported is None
+    assert meter.tokens() == 100 + cut.count(b"data:")
+
+
+def test_a_json_answer_is_charged_its_reported_usage() -> None:
+    meter = Meter(True)
+    meter.read_body(b'{"id":"x","choices":[{"text":"usage"}],"usage":{"prompt_tokens":31,'
+                    b'"total_tokens":34,"completion_tokens":3,"prompt_tokens_details":null}}')
+    assert meter.tokens() == 34
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"usage": null}', b'{"choices": []}'])
+def test_a_json_answer_without_readable_usage_is_charged_the_estimate(body: bytes) -> None:
+    meter = Meter(True, prompt_bytes=40)
+    meter.read_body(body)
+    assert meter.reported is None and meter.tokens() == 10
