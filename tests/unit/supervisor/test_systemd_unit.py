@@ -85,3 +85,9 @@ def test_gpu_device_nodes_stay_reachable() -> None:
 def test_jit_memory_is_not_denied() -> None:
     """CUDA PTX JIT, Triton and torch.compile need writable+executable memory."""
     assert values("MemoryDenyWriteExecute") == []
+
+
+def test_systemctl_reload_runs_the_reload_command_so_a_bad_file_fails_it() -> None:
+    """`chat-appliance reload` exits non-zero with the reason when the new file is wrong;
+    a bare `kill -HUP` would report success whatever happened."""
+    assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
