@@ -78,7 +78,7 @@ async def serve(settings: Settings) -> int:
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(_worker_settings(settings), settings.policy.allowed_media_hosts)
+    launcher = build_launcher(worker_settings(settings), settings.policy.allowed_media_hosts)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
@@ -144,7 +144,7 @@ async def serve(settings: Settings) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def _worker_settings(settings: Settings) -> EngineSettings:
+def worker_settings(settings: Settings) -> EngineSettings:
     """The engine's settings with vLLM's priority scheduler where clients have priorities (the
     operator's own engine.extra_args come after, and win)."""
     if not settings.admission.engine_priority():

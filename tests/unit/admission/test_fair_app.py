@@ -15,6 +15,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from appliance.admission import Admission
 from appliance.app import create_app
 from appliance.clients import Roster
 from appliance.settings import Settings
@@ -207,3 +208,42 @@ async def test_reload_refuses_a_caller_from_elsewhere_or_through_a_proxy() -> No
         assert response.status_code == 403, client_address
         assert response.json()["error"]["code"] == "local_only"
 
+
+
+@contextlib.asynccontextmanager
+async def one_slot(url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine, Admission]]:
+    settings = Settings(policy={"max_inflight": 1}, admission={"queue_wait_s": 30})
+    engine, admission, port = FakeEngine(url), Admission.from_settings(settings), free_port()
+    async with serving(create_app(settings, engine, admission=admission), port), \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        yield client, engine, admission
+
+
+async def test_a_queued_request_whose_client_leaves_gives_up_its_place() -> None:
+    async with upstream(tokens=100, delay=0.02) as (fake, url), one_slot(url) as (
+            client, _, admission):
+        long = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                                 json=CHAT | {"max_tokens": 100}))
+        await eventually(lambda: fake.running == 1)
+        waiting = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        await eventually(lambda: admission.queued == 1)
+        waiting.cancel()
+        await eventually(lambda: admission.queued == 0)
+        assert (await long).status_code == 200
+        await eventually(lambda: admission.in_flight == 0)
+
+
+async def test_a_queued_request_gets_503_when_the_engine_is_lost() -> None:
+    async with upstream(tokens=100, delay=0.02) as (fake, url), one_slot(url) as (
+            client, engine, admission):
+        long = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                                 json=CHAT | {"max_tokens": 100}))
+        await eventually(lambda: fake.running == 1)
+        waiting = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        await eventually(lambda: admission.queued == 1)
+        engine.fire_lost()
+        refused, first = await waiting, await long
+    assert refused.status_code == 503 and "retry-after" in refused.headers
+    assert refused.json()["error"]["code"] == "engine_unavailable"
+    assert first.status_code == 503
+    assert admission.queued == 0 and admission.in_flight == 0
