@@ -6,7 +6,7 @@ and the tap takes the usage event out again, so the client receives what it woul
 then moves `system_fingerprint` from each finished choice's event to the usage event, and the
 tap puts it back. The tap looks at a chunk with two substring searches; only a chunk holding
 the usage event (or, while it strips, a finished choice) is split into events and parsed.
-A request that ends without usage (a disconnect, a lost engine) is charged an estimate.
+A stream that ends without usage (a disconnect, a lost engine) is charged an estimate.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ class Meter:
         self._prompt_estimate = prompt_bytes // _BYTES_PER_PROMPT_TOKEN
 
     def tokens(self) -> int:
-        """Prompt + completion as reported; without a report, an estimate from what was seen."""
+        """Prompt + completion as reported; without a report, an estimate from the events the
+        client received (none: the engine refused it or the client left empty-handed)."""
         if self.reported is not None:
             return self.reported
-        return self._prompt_estimate + self.events
+        return self._prompt_estimate + self.events if self.events else 0
 
     def read_body(self, body: bytes) -> None:
         if self.enabled and b'"usage"' in body:

@@ -99,7 +99,8 @@ def test_a_json_answer_is_charged_its_reported_usage() -> None:
 
 
 @pytest.mark.parametrize("body", [b"not json", b'{"usage": null}', b'{"choices": []}'])
-def test_a_json_answer_without_readable_usage_is_charged_the_estimate(body: bytes) -> None:
+def test_an_answer_without_usage_or_events_costs_nothing(body: bytes) -> None:
+    """A refusal by the worker, or a client that left before anything came back."""
     meter = Meter(True, prompt_bytes=40)
     meter.read_body(body)
-    assert meter.reported is None and meter.tokens() == 10
+    assert meter.reported is None and meter.tokens() == 0
