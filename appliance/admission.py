@@ -4,7 +4,9 @@ A request first passes its client's own limits (requests open, tokens per minute
 it is refused at once with 429 naming the limit and when it resets. Then it takes one of the
 `max_inflight` slots, or, when all are taken, waits in a short queue (admission.queue_max
 places, admission.queue_wait_s at most) served by priority and round-robin across clients
-(appliance.fairqueue). A freed slot passes straight to the next waiter. A request not
+(appliance.fairqueue). A freed slot passes straight to the next waiter. A client with a
+better priority than the default may also take one of `admission.priority_headroom` slots
+beyond the limit, so that it does not wait for a low-priority request to finish. A request not
 admitted in time gets 429 with a Retry-After estimated from the queue and the mean time a
 slot is held. A waiter that is cancelled (client gone, engine lost) leaves the queue cleanly.
 """
@@ -43,9 +45,11 @@ class Admission:
     """In-flight slots; `slot()` is the only way to take one, and its exit the only release."""
 
     def __init__(self, max_inflight: int, on_change: Callable[[int], None] = lambda _: None, *,
-                 queue_max: int = 0, queue_wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 queue_max: int = 0, queue_wait_s: float = 0.0, headroom: int = 0,
+                 default_priority: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self._max = max_inflight
+        self._headroom = headroom
+        self._default_priority = default_priority
         self._in_flight = 0
         self._on_change = on_change
         self._queue_max = queue_max
@@ -57,8 +61,10 @@ class Admission:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Admission:
-        return cls(settings.policy.max_inflight, queue_max=settings.admission.queue_max,
-                   queue_wait_s=settings.admission.queue_wait_s)
+        admission = settings.admission
+        return cls(settings.policy.max_inflight, queue_max=admission.queue_max,
+                   queue_wait_s=admission.queue_wait_s, headroom=admission.priority_headroom,
+                   default_priority=admission.default_priority)
 
     @property
     def in_flight(self) -> int:
@@ -95,8 +101,14 @@ class Admission:
         """When a request sent now would likely be admitted: the queue ahead, slot by slot."""
         return max(1, math.ceil((len(self._queue) + 1) * self.mean_hold_s / self._max))
 
+    def _capacity(self, priority: int) -> int:
+        """Slots a request of this priority may count up to: the headroom is for the better."""
+        return self._max + (self._headroom if priority < self._default_priority else 0)
+
     async def _take(self, client: Client) -> None:
-        if self._in_flight < self._max and not self._queue:
+        best_waiting = self._queue.best_priority()
+        if self._in_flight < self._capacity(client.priority) and (
+                best_waiting is None or best_waiting > client.priority):
             self._in_flight += 1
             self._on_change(self._in_flight)
             return
@@ -139,10 +151,16 @@ class Admission:
         self._queue.push(waiter, client.name, client.priority)
 
     def _give_back(self) -> None:
-        while (waiter := self._queue.pop()) is not None:
-            if not waiter.future.done():
-                waiter.future.set_result(None)  # the slot passes on: in_flight is unchanged
-                return
+        while (next_up := self._queue.peek()) is not None:
+            waiter, priority = next_up
+            if waiter.future.done():  # gave up; its task takes no slot
+                self._queue.remove(waiter)
+                continue
+            if self._in_flight > self._capacity(priority):
+                break  # a headroom slot, and the next waiter may not have it
+            self._queue.pop()  # that waiter, and its client's turn goes round
+            waiter.future.set_result(None)  # the slot passes on: in_flight is unchanged
+            return
         self._in_flight -= 1
         self._on_change(self._in_flight)
 

@@ -35,6 +35,13 @@ class FairQueue(Generic[T]):
         ring.setdefault(client, deque()).append(item)
         self._where[item] = (priority, client)
 
+    def peek(self) -> tuple[T, int] | None:
+        """The next waiter to serve and its priority, left in place."""
+        if not self._classes:
+            return None
+        priority = min(self._classes)
+        return next(iter(self._classes[priority].values()))[0], priority
+
     def pop(self) -> T | None:
         """The next waiter to serve: best priority, the client whose turn it is, its oldest."""
         if not self._classes:
@@ -46,6 +53,9 @@ class FairQueue(Generic[T]):
         ring.move_to_end(client)  # its next waiter, if any, after every other client's
         self._forget(item, priority, client, waiters)
         return item
+
+    def best_priority(self) -> int | None:
+        return min(self._classes) if self._classes else None
 
     def remove(self, item: T) -> bool:
         """Take out a waiter that gave up (timeout, disconnect); False if it is not queued."""

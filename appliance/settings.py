@@ -189,6 +189,7 @@ class AdmissionSettings(_Group):
     queue_max: int = Field(64, ge=0)
     queue_wait_s: float = Field(5.0, ge=0)
     default_priority: int = Field(0, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+    priority_headroom: int = Field(4, ge=0)
     priority_scheduling: Literal["auto", "on", "off"] = "auto"
     clients: list[ClientSettings] = Field(default_factory=list)
 

@@ -221,3 +221,45 @@ async def test_retry_after_follows_the_queue_and_the_mean_time_a_slot_is_held() 
         await settle()
         assert admission.queued == 5
         assert admission.retry_after_s() == 12  # 6 slots' worth at 2 at a time, 4 s each
+
+
+async def test_a_better_priority_takes_a_headroom_slot_instead_of_waiting() -> None:
+    admission = Admission(1, queue_max=8, queue_wait_s=30, headroom=1)
+    log: list[str] = []
+    low, high = Client("low", priority=5), Client("high", priority=-1)
+    async with holders() as made:
+        made.append(Holder(admission, low, log, "low-holder"))
+        made.append(Holder(admission, low, log, "low-waiter"))
+        await settle()
+        made.append(Holder(admission, high, log, "high1"))
+        await settle()
+        assert log == ["low-holder", "high1"] and admission.in_flight == 2
+        made.append(Holder(admission, high, log, "high2"))  # the headroom is taken: it waits
+        await settle()
+        assert admission.queued == 2
+        made[2].release.set()  # high1 leaves: its headroom slot goes to high2, not to low
+        await settle()
+        assert log[-1] == "high2" and admission.in_flight == 2
+        made[3].release.set()  # high2 leaves: nobody may have the headroom slot
+        await settle()
+        assert admission.in_flight == 1 and admission.queued == 1
+        made[0].release.set()  # the low holder leaves: the low waiter's turn
+        await settle()
+        assert log == ["low-holder", "high1", "high2", "low-waiter"]
+        made[1].release.set()
+        await settle()
+    assert admission.in_flight == 0
+
+
+async def test_without_headroom_a_better_priority_waits_first_in_line() -> None:
+    admission = Admission(1, queue_max=8, queue_wait_s=30)
+    log: list[str] = []
+    async with holders() as made:
+        for name, client in (("holder", A), ("a", A), ("high", Client("high", priority=-1))):
+            made.append(Holder(admission, client, log, name))
+            await settle()
+        assert admission.in_flight == 1 and admission.queued == 2
+        for holder in made:
+            holder.release.set()
+            await settle()
+        assert log == ["holder", "high", "a"]

@@ -112,3 +112,12 @@ def test_within_a_priority_no_client_is_served_twice_while_another_waits_its_tur
     for position in range(1, len(served)):
         if served[position] == served[position - 1]:
             assert set(served[position:]) == {served[position]}  # only it was left
+
+
+def test_peek_shows_what_pop_takes_and_its_priority() -> None:
+    queue: FairQueue[str] = FairQueue()
+    assert queue.peek() is None and queue.best_priority() is None
+    queue.push("a0", "a", 2)
+    queue.push("b0", "b", -3)
+    assert queue.peek() == ("b0", -3) and queue.best_priority() == -3
+    assert queue.pop() == "b0" and len(queue) == 1
