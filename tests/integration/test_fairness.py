@@ -1,18 +1,22 @@
 """Named clients on the real vLLM worker: a flooding client is held to its own limit while
-another is served, priorities reach vLLM's priority scheduler, and a metered stream reaches
-its client exactly as vLLM writes it. The overtaking itself is measured by load/fairness.py."""
+another is served, a better priority overtakes a backlog inside the engine, and a metered
+stream reaches its client exactly as vLLM writes it. The worker runs one sequence at a time
+(max_num_seqs 1), so that its own waiting queue, and its order, can be seen; the times are
+measured by load/fairness.py."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from supervisor.engine_stats import EngineStats, parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance
 
 FLOOD_LIMIT = 2
@@ -20,6 +24,7 @@ CLIENTS = [
     {"name": "flood", "key": "sk-flood", "max_inflight": FLOOD_LIMIT, "priority": 5},
     {"name": "steady", "key": "sk-steady"},
     {"name": "metered", "key": "sk-metered", "tokens_per_minute": 100_000},
+    {"name": "urgent", "key": "sk-urgent", "priority": -5},
 ]
 HI = [{"role": "user", "content": "Say hi."}]
 
@@ -27,7 +32,8 @@ HI = [{"role": "user", "content": "Say hi."}]
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     with running_appliance(Path(tmp_path_factory.mktemp("fairness")),
-                           admission__clients=json.dumps(CLIENTS)) as appliance:
+                           admission__clients=json.dumps(CLIENTS),
+                           engine__max_num_seqs="1") as appliance:
         appliance.wait_ready()
         yield appliance
 
@@ -56,14 +62,40 @@ def test_a_flood_gets_429_naming_its_limit_while_another_client_is_served(fair: 
     assert 'appliance_rejections_total{client="flood",reason="client_max_inflight"}' in metrics
 
 
-def test_the_worker_runs_the_priority_scheduler_and_accepts_the_clients_priority(
-        fair: Appliance) -> None:
-    """vLLM refuses any priority but 0 under first-come-first-served: a 200 for the flood
-    client (priority 5) shows both the flag and the field arrived."""
+def engine_stats(appliance: Appliance) -> EngineStats:
+    return parse_engine_stats(
+        httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text)
+
+
+def until(condition: Callable[[], bool], within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "the engine never got there"
+        time.sleep(0.05)
+
+
+def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance) -> None:
+    """One running, one waiting (the flood's priority 5); then the urgent client (-5): under
+    first-come-first-served it would finish last, with priorities it finishes second."""
     spawned = [e for e in fair.log_events() if e.get("event") == "worker.spawned"]
     assert "--scheduling-policy" in spawned[-1]["argv"]
-    response = chat(fair, "flood", priority=-1000)  # its own choice is overridden, not refused
-    assert response.status_code == 200, response.text
+    finished: list[str] = []
+
+    def run(who: str, tag: str, tokens: int = 16) -> None:
+        response = chat(fair, who, max_tokens=tokens, ignore_eos=True, priority=-1000)
+        assert response.status_code == 200, response.text  # its own priority is overridden
+        finished.append(tag)
+
+    with ThreadPoolExecutor(3) as pool:
+        done = [pool.submit(run, "flood", "first", 96)]  # runs while the others arrive
+        until(lambda: engine_stats(fair).running == 1)
+        done.append(pool.submit(run, "flood", "backlog"))
+        until(lambda: engine_stats(fair).waiting == 1)
+        done.append(pool.submit(run, "urgent", "urgent"))
+        until(lambda: engine_stats(fair).waiting == 2 or len(finished) > 0)
+        for future in done:
+            future.result()
+    assert finished == ["first", "urgent", "backlog"]
 
 
 def normalized(text: str) -> str:

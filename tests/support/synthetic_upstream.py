@@ -56,6 +56,7 @@ class Upstream:
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
+        self.headers: list[dict[str, str]] = []  # of the generations, in order
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -76,6 +77,8 @@ class Upstream:
         if path in _GENERATIONS:
             request = json.loads(body or b"{}")
             self.received.append((path, request))
+            self.headers.append({k.decode("latin-1"): v.decode("latin-1")
+                                 for k, v in scope["headers"]})
             await self._complete(scope, receive, send, request)
         elif path.startswith("/v1/responses/") or path in _SMALL:
             await self._small(path, scope, json.loads(body or b"{}"), send)

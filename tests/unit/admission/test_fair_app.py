@@ -110,6 +110,15 @@ async def test_the_engine_gets_the_clients_priority_and_ceiling_not_the_clients_
     assert "priority" not in fake.received[1][1]  # the anonymous default, 0, is vLLM's own
 
 
+async def test_a_client_cannot_pick_its_engine_priority_by_header_either() -> None:
+    """vLLM 0.32 takes X-Vllm-Priority over the body's priority: it must never reach it."""
+    async with upstream() as (fake, url), appliance(url) as client:
+        await client.post("/v1/chat/completions", json=CHAT,
+                          headers=auth("batch") | {"X-Vllm-Priority": "-1000"})
+    assert fake.received[0][1]["priority"] == 7
+    assert "x-vllm-priority" not in fake.headers[0]
+
+
 async def test_without_priority_scheduling_the_body_keeps_what_the_client_sent() -> None:
     async with upstream() as (fake, url), appliance(url, priority_scheduling="off") as client:
         await client.post("/v1/chat/completions", json=CHAT | {"priority": 3},
