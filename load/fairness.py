@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--low-workers", type=int, default=16,
                         help="requests the low-priority flood keeps open")
     parser.add_argument("--ramp", type=float, default=2.0, help="flood head start, seconds")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="run the engine with this many OpenMP threads, unpinned (on a "
+                             "shared, oversubscribed CPU pinned threads stall each other)")
     parser.add_argument("--out", type=Path, default=ROOT / "load" / "reports",
                         help="where the appliance's log and the JSON results go")
     return parser.parse_args(argv)
@@ -93,8 +96,14 @@ def start(workdir: Path, args: argparse.Namespace) -> tuple[Service, str, str]:
         "CHAT_APPLIANCE_ADMISSION__QUEUE_WAIT_S": "60",
         "CHAT_APPLIANCE_ADMISSION__CLIENTS": json.dumps(clients(args.a_limit)),
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+        # A shared, oversubscribed CPU can take a 1-token canary past the default 20 s; a
+        # restart would measure the restart, not the sharing.
+        "CHAT_APPLIANCE_SUPERVISOR__CANARY_TIMEOUT_S": "120",
         "PYTHONPATH": str(ROOT),
     }
+    if args.engine_threads:
+        env["CHAT_APPLIANCE_ENGINE__ENV"] = json.dumps(
+            {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.engine_threads)})
     log_path = workdir / "fairness-appliance.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], stdout=log,
@@ -154,28 +163,43 @@ def run_phase(phase: Phase, args: argparse.Namespace, url: str, engine_url: str,
           f"statuses {dict(measured.statuses)}", flush=True)
 
 
-def phases(args: argparse.Namespace, url: str, engine_url: str) -> list[Phase]:
+def phases(args: argparse.Namespace, url: str, engine_url: str) -> list[list[Phase]]:
+    """The phases, in the groups whose ratios are compared."""
     probe, flood, workers = chat(args.probe_tokens, stream=True), chat(args.flood_tokens), \
         args.low_workers
     high, peer = chat(args.probe_tokens, HIGH, stream=True), chat(args.probe_tokens, LOW,
                                                                   stream=True)
     direct = chat(args.flood_tokens, LOW)  # to the worker itself: the priority in the body
     return [
-        Phase("b_alone", url, KEYS["b"], probe),
-        Phase("b_flooded", url, KEYS["b"], probe, KEYS["a"], flood, 4 * args.a_limit, "a_flood"),
-        Phase("high_alone", url, KEYS["high"], probe),
-        Phase("high_flooded", url, KEYS["high"], probe, KEYS["low"], flood, workers, "low_flood"),
-        Phase("peer_flooded", url, KEYS["peer"], probe, KEYS["low"], flood, workers, "low_flood"),
-        Phase("engine_high", engine_url, None, high, None, direct, workers, "engine_flood"),
-        Phase("engine_peer", engine_url, None, peer, None, direct, workers, "engine_flood"),
+        [Phase("b_alone", url, KEYS["b"], probe),
+         Phase("b_flooded", url, KEYS["b"], probe, KEYS["a"], flood, 4 * args.a_limit,
+               "a_flood")],
+        [Phase("high_alone", url, KEYS["high"], probe),
+         Phase("high_flooded", url, KEYS["high"], probe, KEYS["low"], flood, workers,
+               "low_flood"),
+         Phase("peer_flooded", url, KEYS["peer"], probe, KEYS["low"], flood, workers,
+               "low_flood")],
+        [Phase("engine_high", engine_url, None, high, None, direct, workers, "engine_flood"),
+         Phase("engine_peer", engine_url, None, peer, None, direct, workers, "engine_flood")],
     ]
 
 
 def run_rounds(args: argparse.Namespace, url: str, engine_url: str, results: Results) -> None:
+    """Every phase once a round, each group in turn the other way round, so that a drift of
+    the machine's speed weighs on both sides of a ratio alike."""
     for round_ in range(1, args.rounds + 1):
         print(f"round {round_}/{args.rounds}", flush=True)
-        for phase in phases(args, url, engine_url):
-            run_phase(phase, args, url, engine_url, results)
+        for group in phases(args, url, engine_url):
+            for phase in group if round_ % 2 else reversed(group):
+                run_phase(phase, args, url, engine_url, results)
+
+
+def warm_up(args: argparse.Namespace, url: str, engine_url: str) -> None:
+    """One untimed pass under each flood: the engine's first batches of a shape are slow."""
+    quick = argparse.Namespace(**{**vars(args), "probes": 3, "interval": 0.2, "ramp": 1.0})
+    groups = phases(quick, url, engine_url)
+    for phase in (groups[0][1], groups[1][1]):
+        run_phase(phase, quick, url, engine_url, Results())
 
 
 def _ms(seconds: float | None) -> str:
@@ -228,7 +252,8 @@ def report(results: Results, args: argparse.Namespace) -> bool:
     print(Bar("same priority as the flood (for contrast)", s["high_alone"], s["peer_flooded"],
               float("inf")).row())
     overtakes = engine_report(s["engine_high"], s["engine_peer"], args.low_workers, seqs)
-    return all(bar.met for bar in bars) and overtakes and statuses_report(s)
+    clean = statuses_report(s)
+    return all(bar.met for bar in bars) and overtakes and clean
 
 
 def engine_report(high: Sample, peer: Sample, backlog: int, seqs: int) -> bool:
@@ -260,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the appliance never became ready:\n{service.tail()}", file=sys.stderr)
             return 2
         results = Results()
-        warm = chat(args.probe_tokens, stream=True)
-        asyncio.run(under_flood(url, KEYS["b"], warm, None, warm, 0, 3, 0.1, 0))
+        print("warm-up", flush=True)
+        warm_up(args, url, engine_url)
         run_rounds(args, url, engine_url, results)
     finally:
         service.stop()
