@@ -1,6 +1,6 @@
 """Fair sharing of one engine, on the real CPU worker, in one run: ratios side by side.
 
-    python -m load.fairness [--rounds 2] [--probes 16] [--interval 0.7]
+    python -m load.fairness [--rounds 3] [--probes 12] [--interval 1.5] [--engine-threads 1]
 
 Starts `chat-appliance serve` (real vLLM CPU worker) with named clients, then measures time to
 first token (TTFT) of steady probe clients alone and under floods, alternating, `--rounds`
@@ -61,11 +61,11 @@ class Results:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2, help="alone/flooded pairs per bar")
-    parser.add_argument("--probes", type=int, default=16, help="probe requests per phase")
-    parser.add_argument("--interval", type=float, default=0.7, help="seconds between probes")
-    parser.add_argument("--probe-tokens", type=int, default=8)
-    parser.add_argument("--flood-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="alone/flooded pairs per bar")
+    parser.add_argument("--probes", type=int, default=12, help="probe requests per phase")
+    parser.add_argument("--interval", type=float, default=1.5, help="seconds between probes")
+    parser.add_argument("--probe-tokens", type=int, default=4)
+    parser.add_argument("--flood-tokens", type=int, default=64)
     parser.add_argument("--slots", type=int, default=4, help="policy.max_inflight")
     parser.add_argument("--headroom", type=int, default=4,
                         help="admission.priority_headroom (the engine's max_num_seqs is "
