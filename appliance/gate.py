@@ -22,7 +22,7 @@ from appliance.apis import GenerationApi
 from appliance.budget import BudgetFitter
 from appliance.clients import ANYONE, Client
 from appliance.errors import ApiError, BadRequest
-from appliance.policy.client import ask_usage, cap_max_tokens, set_priority
+from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
@@ -49,6 +49,7 @@ class Vetted:
     refine: Callable[[ApiError], ApiError] | None = None
     client: Client = ANYONE
     usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
+    priority: int | None = None  # for the worker's priority scheduler; None: not sent
 
     @property
     def stream(self) -> bool:
@@ -116,9 +117,13 @@ class Gate:
         if clamp is not None:
             vetted.headers[CLAMP_HEADER] = header_value(clamp)
             self._on_clamp()
-        prioritised = self._engine_priority and set_priority(body, client.priority)
-        vetted.usage_added = client.tokens_per_minute is not None and ask_usage(body)
-        vetted.changed |= capped or prioritised or vetted.usage_added
+        dropped = False
+        if self._engine_priority and vetted.api.admitted:
+            vetted.priority = client.priority
+            dropped = drop_priority(body)
+        vetted.usage_added = (client.tokens_per_minute is not None
+                              and vetted.api.usage_on_request and ask_usage(body))
+        vetted.changed |= capped or dropped or vetted.usage_added
 
     async def fit_budget(self, vetted: Vetted) -> None:
         """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""

@@ -25,6 +25,8 @@ from appliance.shapes import ErrorShape, StreamSoFar, encode, upstream_error
 from appliance.upstream import Reply, Upstream
 from appliance.usage import Meter
 
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
+
 log = structlog.get_logger("appliance.relay")
 
 _JSON = (b"content-type", b"application/json")
@@ -125,6 +127,8 @@ class Relay:
         headers = {"x-request-id": self._request_id, **self._forward}
         if body is not None:
             headers["content-type"] = "application/json"
+        if vetted.priority is not None:  # vLLM reads it on every generation route, over the body
+            headers[PRIORITY_HEADER] = str(vetted.priority)
         async with deps.upstream.exchange(vetted.method, vetted.target, body, headers) as reply:
             if reply.status >= 300:
                 error = upstream_error(reply.status, await reply.read())

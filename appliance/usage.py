@@ -1,6 +1,9 @@
 """Tokens one request used, from the usage the worker reports, streamed or not.
 
-A JSON answer carries `usage`. A stream carries it only when the request asked for
+A JSON answer carries `usage`, in its protocol's names (OpenAI's prompt and completion tokens,
+Responses' and Anthropic's input and output tokens). A Responses stream carries it in
+`response.completed`, an Anthropic stream in `message_start` and `message_delta`. A chat or
+completions stream carries it only when the request asked for
 `stream_options.include_usage`; for a metered client that did not, the gate asks on its behalf
 and the tap takes the usage event out again, so the client receives what it would have: vLLM
 then moves `system_fingerprint` from each finished choice's event to the usage event, and the
@@ -23,13 +26,38 @@ _BYTES_PER_PROMPT_TOKEN = 4  # for the estimate only
 
 
 class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    """OpenAI's names, and Responses' and Anthropic's (Anthropic's input excludes the cache)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+    def counts(self) -> tuple[int, int]:
+        """(prompt, completion) tokens, in whichever protocol's names."""
+        anthropic_input = ((self.input_tokens or 0) + (self.cache_read_input_tokens or 0)
+                           + (self.cache_creation_input_tokens or 0))
+        return (max(self.prompt_tokens or 0, anthropic_input),
+                max(self.completion_tokens or 0, self.output_tokens or 0))
+
+
+class _Carrier(msgspec.Struct):
+    usage: _Usage | None = None
 
 
 class _Reported(msgspec.Struct):
     usage: _Usage | None = None
     system_fingerprint: str | None = None
+    response: _Carrier | None = None  # Responses: response.completed carries the usage
+    message: _Carrier | None = None  # Anthropic: message_start carries the prompt's
+
+    def found(self) -> _Usage | None:
+        for carrier in (self, self.response, self.message):
+            if carrier is not None and carrier.usage is not None:
+                return carrier.usage
+        return None
 
 
 class Meter:
@@ -39,6 +67,7 @@ class Meter:
         self.enabled = enabled
         self.reported: int | None = None
         self.events = 0  # stream events seen, for the estimate
+        self._prompt = self._completion = 0  # the largest reported so far
         self._prompt_estimate = prompt_bytes // _BYTES_PER_PROMPT_TOKEN
 
     def tokens(self) -> int:
@@ -57,8 +86,14 @@ class Meter:
         return _Tap(self, strip).relay(chunks) if self.enabled else chunks
 
     def take(self, reported: _Reported | None) -> None:
-        if reported is not None and reported.usage is not None:
-            self.reported = reported.usage.prompt_tokens + reported.usage.completion_tokens
+        """One report of usage. Several in one stream (Anthropic's message_start, then its
+        message_delta; continuous usage stats) are running totals: the largest of each counts."""
+        usage = reported.found() if reported is not None else None
+        if usage is None:
+            return
+        prompt, completion = usage.counts()
+        self._prompt, self._completion = max(self._prompt, prompt), max(self._completion, completion)
+        self.reported = self._prompt + self._completion
 
 
 class _Tap:

@@ -1,5 +1,5 @@
-"""A named client's rules on its request body: its max_tokens ceiling, its engine priority, and
-the usage event its tokens-per-minute meter needs on a stream."""
+"""A named client's rules on its request body: its max_tokens ceiling, no engine priority of its
+own, and the usage event its tokens-per-minute meter needs on a stream."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 from appliance.policy.body import check_count
 from appliance.policy.max_tokens import Clamp
 
+_ABSENT = object()
+
 
 def cap_max_tokens(body: MutableMapping[str, Any], fields: Sequence[str], ceiling: int | None,
                    defaulted: bool = False) -> tuple[bool, Clamp | None]:
@@ -16,8 +18,8 @@ def cap_max_tokens(body: MutableMapping[str, Any], fields: Sequence[str], ceilin
 
     Returns whether the body changed and the clamp of the field the engine obeys (if any).
     """
-    if ceiling is None:
-        return False, None
+    if ceiling is None or not fields:
+        return False, None  # no ceiling, or a route without a completion budget
     given = [field for field in fields if body.get(field) is not None]
     if not given:
         body[fields[0]] = ceiling
@@ -33,13 +35,11 @@ def cap_max_tokens(body: MutableMapping[str, Any], fields: Sequence[str], ceilin
     return bool(clamps), clamps[0] if clamps and clamps[0].field == given[0] else None
 
 
-def set_priority(body: MutableMapping[str, Any], priority: int) -> bool:
-    """The client's priority in the body, whatever the client sent (it may not pick its own)."""
-    given = body.get("priority")
-    if (given is None and priority == 0) or (type(given) is int and given == priority):
-        return False  # vLLM's default is 0
-    body["priority"] = priority
-    return True
+def drop_priority(body: MutableMapping[str, Any]) -> bool:
+    """Take out a `priority` the client sent: it may not pick its own. The worker gets the
+    client's in vLLM's X-Vllm-Priority header, which every generation route of vLLM 0.32 reads
+    (Anthropic's too, which has no body field for it). True if the body changed."""
+    return body.pop("priority", _ABSENT) is not _ABSENT
 
 
 def ask_usage(body: MutableMapping[str, Any]) -> bool:

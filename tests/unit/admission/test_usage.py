@@ -104,3 +104,47 @@ def test_an_answer_without_usage_or_events_costs_nothing(body: bytes) -> None:
     meter = Meter(True, prompt_bytes=40)
     meter.read_body(body)
     assert meter.reported is None and meter.tokens() == 0
+
+
+# As vLLM 0.32 writes them (pydantic's model_dump_json, exclude_unset on Anthropic's events).
+ANTHROPIC_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-1",'
+    b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+    b'"stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":0}}}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens",'
+    b'"stop_sequence":null},"usage":{"input_tokens":12,"output_tokens":5}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+RESPONSES_STREAM = (
+    b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+    b'"response":{"id":"resp_1","status":"in_progress","usage":null}}\n\n'
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"sequence_number":1,"delta":"Hi"}\n\n'
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,'
+    b'"response":{"id":"resp_1","status":"completed","usage":{"input_tokens":9,'
+    b'"input_tokens_details":{"cached_tokens":0},"output_tokens":4,'
+    b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":13}}}\n\n')
+
+
+@pytest.mark.parametrize(("stream", "tokens"), [(ANTHROPIC_STREAM, 17), (RESPONSES_STREAM, 13)])
+def test_anthropic_and_responses_streams_are_charged_their_usage_and_pass_unchanged(
+        stream: bytes, tokens: int) -> None:
+    """Anthropic reports running totals (message_start, then message_delta): not added twice."""
+    meter = Meter(True)
+    assert b"".join(relay(meter, pieces(stream, [50, 333, 500]), strip=False)) == stream
+    assert meter.reported == tokens
+
+
+@pytest.mark.parametrize(("body", "tokens"), [
+    (b'{"id":"msg_1","type":"message","usage":{"input_tokens":7,"output_tokens":3,'
+     b'"cache_read_input_tokens":5}}', 15),
+    (b'{"id":"resp_1","object":"response","usage":{"input_tokens":9,"output_tokens":4,'
+     b'"total_tokens":13}}', 13),
+])
+def test_anthropic_and_responses_answers_are_charged_their_usage(body: bytes, tokens: int) -> None:
+    """Anthropic's input_tokens leave out the cached part; the prompt is counted whole, as
+    vLLM's prompt_tokens counts it on chat."""
+    meter = Meter(True)
+    meter.read_body(body)
+    assert meter.tokens() == tokens

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from appliance.errors import BadRequest
-from appliance.policy.client import ask_usage, cap_max_tokens, set_priority
+from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
 
 
@@ -53,17 +53,21 @@ def test_a_budget_of_the_wrong_type_is_a_400_naming_it() -> None:
 
 
 @pytest.mark.parametrize("sent", [-100, 3, "urgent", 0.5, True, None])
-def test_the_clients_priority_replaces_whatever_the_client_sent(sent: object) -> None:
-    body: dict[str, Any] = {"priority": sent}
-    assert set_priority(body, 7)
-    assert body["priority"] == 7 and type(body["priority"]) is int
+def test_a_priority_the_client_sent_is_taken_out_whatever_it_is(sent: object) -> None:
+    body: dict[str, Any] = {"priority": sent, "model": "m"}
+    assert drop_priority(body)
+    assert body == {"model": "m"}
 
 
-def test_priority_zero_on_a_body_without_one_leaves_it_unchanged() -> None:
-    body: dict[str, Any] = {}
-    assert not set_priority(body, 0) and body == {}
-    body = {"priority": 4}
-    assert not set_priority(body, 4)
+def test_a_body_without_a_priority_is_left_unchanged() -> None:
+    body: dict[str, Any] = {"model": "m"}
+    assert not drop_priority(body) and body == {"model": "m"}
+
+
+def test_no_ceiling_on_a_route_without_a_budget_field() -> None:
+    """count_tokens, tokenize: nothing to cap, and no budget field is made up."""
+    body: dict[str, Any] = {"messages": []}
+    assert cap_max_tokens(body, (), 10) == (False, None) and body == {"messages": []}
 
 
 def test_a_stream_is_asked_for_its_usage_once_and_keeps_its_other_options() -> None:
