@@ -74,15 +74,31 @@ def until(condition: Callable[[], bool], within_s: float = 120) -> None:
         time.sleep(0.05)
 
 
-def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance) -> None:
+def messages(appliance: Appliance, who: str, max_tokens: int) -> httpx.Response:
+    """Anthropic's route, the key in x-api-key as its SDK sends it."""
+    model = httpx.get(f"{appliance.url}/v1/models", timeout=10,
+                      headers={"Authorization": f"Bearer sk-{who}"}).json()["data"][0]["id"]
+    return httpx.post(f"{appliance.url}/v1/messages", timeout=120,
+                      headers={"x-api-key": f"sk-{who}"},
+                      json={"model": model, "messages": HI, "max_tokens": max_tokens,
+                            "priority": -1000})
+
+
+@pytest.mark.parametrize("route", ["chat", "messages"])
+def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance,
+                                                                 route: str) -> None:
     """One running, one waiting (the flood's priority 5); then the urgent client (-5): under
-    first-come-first-served it would finish last, with priorities it finishes second."""
-    spawned = [e for e in fair.log_events() if e.get("event") == "worker.spawned"]
+    first-come-first-served it would finish last, with priorities it finishes second. On
+    Anthropic's route too, whose body has no priority: vLLM reads the appliance's header."""
+    spawned = [e for e in fair.log_events() if e.get("event") in ("worker.spawned", "worker.forked")]
     assert "--scheduling-policy" in spawned[-1]["argv"]
     finished: list[str] = []
 
     def run(who: str, tag: str, tokens: int = 16) -> None:
-        response = chat(fair, who, max_tokens=tokens, ignore_eos=True, priority=-1000)
+        if tag == "urgent" and route == "messages":
+            response = messages(fair, who, tokens)
+        else:
+            response = chat(fair, who, max_tokens=tokens, ignore_eos=True, priority=-1000)
         assert response.status_code == 200, response.text  # its own priority is overridden
         finished.append(tag)
 
