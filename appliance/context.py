@@ -1,4 +1,5 @@
-"""Per-request context: the request id (and the client's W3C trace id) every log line carries."""
+"""Per-request context: the request id (and the client's W3C trace id) every log line carries,
+and the caller's client name for its log lines and metric labels."""
 
 from __future__ import annotations
 
