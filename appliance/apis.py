@@ -38,6 +38,9 @@ class GenerationApi:
     rules: rules.ApiRules | None = None  # the API's own rules: tools, thinking, ...
     shape: ErrorShape = OPENAI
     admitted: bool = True  # takes an admission slot: the engine works for it
+    # A stream reports its usage only when `stream_options.include_usage` asks (OpenAI's chat
+    # and completions); the other APIs always report it.
+    usage_on_request: bool = False
 
 
 CHAT = GenerationApi(
@@ -49,6 +52,7 @@ CHAT = GenerationApi(
     prompt="messages",
     find_media=policy.find_media_parts,
     rules=rules.chat_rules,
+    usage_on_request=True,
 )
 
 COMPLETION = GenerationApi(
@@ -58,6 +62,7 @@ COMPLETION = GenerationApi(
     fields=fields.CompletionFields,
     budget_fields=COMPLETION_BUDGET,
     prompt="prompt",
+    usage_on_request=True,
 )
 
 BATCH_CHAT = GenerationApi(

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.admission import Admission
 from appliance.budget import BudgetFitter
+from appliance.clients import Roster
 from appliance.context import REQUEST_ID, request_context
 from appliance.engine import EngineView
 from appliance.errors import (
@@ -29,7 +30,7 @@ from appliance.metrics import RequestMetrics
 from appliance.recent import EngineReading, Recent
 from appliance.relay import RelayDeps
 from appliance.response_ids import ResponseIds
-from appliance.routes import anthropic, guards, openai, ops, responses, status, tokenizer
+from appliance.routes import admin, anthropic, guards, openai, ops, responses, status, tokenizer
 from appliance.routes.openai import RouteDeps
 from appliance.settings import Settings
 from appliance.shapes import OPENAI, ErrorShape, encode
@@ -45,6 +46,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     admission: Admission | None = None,
+    clients: Roster | None = None,
     alive: Callable[[], bool] = lambda: True,
     engine_reading: EngineReading = lambda: None,
 ) -> Litestar:
@@ -53,17 +55,18 @@ def create_app(
     `engine_reading` gives the worker's own counters as the supervisor last read them (the
     status page's tokens/s and engine queue); without it those read as unknown."""
     metrics = RequestMetrics(registry or CollectorRegistry())
-    admission = admission or Admission(settings.policy.max_inflight)
+    admission = admission or Admission.from_settings(settings)
     metrics.in_flight.set_function(lambda: admission.in_flight)
+    metrics.queued.set_function(lambda: admission.queued)
+    clients = clients or Roster.from_settings(settings)
     upstream = Upstream(engine.base_url, settings.server, engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
-    keys = [key.get_secret_value() for key in settings.server.api_keys]
     recent = Recent(settings.status, metrics.ttft, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
                                              *status.data_routes(sources)],
-                        guards=[guards.key_guard(keys)] if settings.server.protect_ops_routes
+                        guards=[guards.key_guard(clients)] if settings.server.protect_ops_routes
                         else [])
 
     @contextlib.asynccontextmanager
@@ -91,8 +94,8 @@ def create_app(
                         headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
 
     return Litestar(
-        route_handlers=[*_api_routers(settings, relay, keys), operations,
-                        *ops.open_routes(alive), *status.page_routes()],
+        route_handlers=[*_api_routers(settings, relay, clients), operations,
+                        *ops.open_routes(alive), *status.page_routes(), *admin.routes(clients)],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],
@@ -103,17 +106,17 @@ def create_app(
     )
 
 
-def _api_routers(settings: Settings, relay: RelayDeps, keys: list[str]) -> list[Router]:
+def _api_routers(settings: Settings, relay: RelayDeps, clients: Roster) -> list[Router]:
     """The API's route families, each behind the key guard its protocol's clients expect."""
     deps = RouteDeps(relay, settings.server)
     response_ids = ResponseIds(relay.engine, settings.policy.max_tracked_responses)
     background = settings.policy.allow_background_responses
     api = Router("/", route_handlers=[*openai.routes(deps),
                                       *responses.routes(deps, response_ids, background),
-                                      *tokenizer.routes(deps)], guards=[guards.key_guard(keys)])
+                                      *tokenizer.routes(deps)], guards=[guards.key_guard(clients)])
     # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
     anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
-                           guards=[guards.key_guard(keys, x_api_key=True)])
+                           guards=[guards.key_guard(clients, x_api_key=True)])
     return [api, anthropic_api]
 
 

@@ -1,7 +1,9 @@
-"""Per-request context: the request id (and the client's W3C trace id) every log line carries."""
+"""Per-request context: the request id (and the client's W3C trace id) every log line carries,
+and the caller's client name for its log lines and metric labels."""
 
 from __future__ import annotations
 
+import contextvars
 import re
 import uuid
 from collections.abc import Iterable
@@ -54,3 +56,14 @@ def _trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     if match is None or match.group(1).strip(b"0") == b"" or match.group(2).strip(b"0") == b"":
         return None  # all-zero ids are invalid by the spec
     return match.group(1).decode("ascii")
+
+
+# The caller's client name for this request's metrics labels (its log lines get it through
+# structlog's context). Set by the key guard; "none" where no key guard ran.
+CLIENT_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("client_name", default="none")
+
+
+def bind_client(name: str) -> None:
+    """Name the request's client in every later log line and metric label of the request."""
+    CLIENT_NAME.set(name)
+    structlog.contextvars.bind_contextvars(client=name)

@@ -3,6 +3,7 @@
 ApiError                         any refusal or failure a client is told about
 ├── BadRequest (400)             malformed body, wrong types, policy refusals naming a param
 ├── Unauthorized (401)
+├── Forbidden (403)              a client's key does not allow the route
 ├── NotFound (404)
 ├── RequestTimeout (408)         the body did not arrive within its time
 ├── PayloadTooLarge (413)
@@ -56,6 +57,11 @@ class BadRequest(ApiError):
 class Unauthorized(ApiError):
     status = 401
     kind = "authentication_error"
+
+
+class Forbidden(ApiError):
+    status = 403
+    kind = "permission_error"
 
 
 class NotFound(ApiError):

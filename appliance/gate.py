@@ -20,7 +20,9 @@ import structlog
 from appliance import policy
 from appliance.apis import GenerationApi
 from appliance.budget import BudgetFitter
+from appliance.clients import ANYONE, Client
 from appliance.errors import ApiError, BadRequest
+from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
@@ -45,6 +47,9 @@ class Vetted:
     path: str | None = None  # the worker's route when not the API's own (a path parameter)
     # The route's own reading of a worker's refusal (a response id lost in a restart).
     refine: Callable[[ApiError], ApiError] | None = None
+    client: Client = ANYONE
+    usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
+    priority: int | None = None  # for the worker's priority scheduler; None: not sent
 
     @property
     def stream(self) -> bool:
@@ -71,16 +76,17 @@ class Gate:
         self._budget = budget
         self._multimodal = _is_multimodal(settings)
         self._big_bodies = asyncio.Semaphore(1)
+        self._engine_priority = settings.admission.engine_priority()
 
-    async def vet(self, raw: bytes, api: GenerationApi) -> Vetted:
+    async def vet(self, raw: bytes, api: GenerationApi, client: Client = ANYONE) -> Vetted:
         if len(raw) <= self._settings.server.parse_in_thread_bytes:
-            return self.vet_now(raw, api)
+            return self.vet_now(raw, api, client)
         # One big body at a time: a parse holds the GIL, and the event loop must get it back
         # between two of them.
         async with self._big_bodies:
-            return await asyncio.to_thread(self.vet_now, raw, api)
+            return await asyncio.to_thread(self.vet_now, raw, api, client)
 
-    def vet_now(self, raw: bytes, api: GenerationApi) -> Vetted:
+    def vet_now(self, raw: bytes, api: GenerationApi, client: Client = ANYONE) -> Vetted:
         """Every rule that needs only the body; raises the first refusal as an ApiError."""
         rules = self._rules
         if api.prompt in _CONVERSATIONS:
@@ -98,7 +104,26 @@ class Gate:
         changed = api.rules(body, self._settings) if api.rules is not None else False
         defaulted = bool(api.budget_fields) and apply_default_budget(
             body, api.budget_fields, rules.default_max_tokens)
-        return Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted)
+        vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
+                        client=client)
+        self._apply_client(vetted)
+        return vetted
+
+    def _apply_client(self, vetted: Vetted) -> None:
+        """The client's own rules: its max_tokens ceiling, its priority, its usage meter."""
+        client, body = vetted.client, vetted.payload
+        capped, clamp = cap_max_tokens(body, vetted.api.budget_fields, client.max_tokens,
+                                       vetted.defaulted)
+        if clamp is not None:
+            vetted.headers[CLAMP_HEADER] = header_value(clamp)
+            self._on_clamp()
+        dropped = False
+        if self._engine_priority and vetted.api.admitted:
+            vetted.priority = client.priority
+            dropped = drop_priority(body)
+        vetted.usage_added = (client.tokens_per_minute is not None
+                              and vetted.api.usage_on_request and ask_usage(body))
+        vetted.changed |= capped or dropped or vetted.usage_added
 
     async def fit_budget(self, vetted: Vetted) -> None:
         """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""

@@ -1,5 +1,8 @@
 """The API's own Prometheus metrics: answers, latencies, refusals, disconnects, failures.
 
+The `client` label is the caller's client name from the key guard ("anonymous" for plain keys,
+"none" before or without a key check): bounded by the configured clients.
+
 Facts the API does not own (engine state, restarts, the worker's gauges, the GPU) are exported
 by the supervisor's collector into the same registry; see supervisor/collector.py.
 """
@@ -14,6 +17,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest as _generate_latest
 
+from appliance.context import CLIENT_NAME
 from appliance.errors import ApiError
 
 log = structlog.get_logger("appliance.metrics")
@@ -27,8 +31,9 @@ class RequestMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = r = registry
-        self.requests = Counter("appliance_requests", "Requests answered, by route and status.",
-                                ["route", "status"], registry=r)
+        self.requests = Counter("appliance_requests",
+                                "Requests answered, by route, status and client.",
+                                ["route", "status", "client"], registry=r)
         self.duration = Histogram("appliance_request_duration_seconds",
                                   "Time from request to last byte.", ["route"],
                                   buckets=LATENCY_BUCKETS, registry=r)
@@ -37,8 +42,10 @@ class RequestMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("appliance_requests_in_flight",
                                "Generation requests admitted and not yet answered.", registry=r)
-        self.rejections = Counter("appliance_rejections", "Requests refused, by reason.",
-                                  ["reason"], registry=r)
+        self.rejections = Counter("appliance_rejections", "Requests refused, by reason and client.",
+                                  ["reason", "client"], registry=r)
+        self.queued = Gauge("appliance_admission_queued",
+                            "Generation requests waiting for an admission slot.", registry=r)
         self.clamps = Counter("appliance_max_tokens_clamped",
                               "Requests whose max_tokens was lowered to the room left.", registry=r)
         self.disconnects = Counter("appliance_client_disconnects",
@@ -75,7 +82,7 @@ class RequestMetrics:
     def _count(self, scope: Scope, status: int, elapsed: float) -> None:
         handler = scope.get("route_handler")
         route = str(scope.get("path_template") or UNROUTED) if handler is not None else UNROUTED
-        self.requests.labels(route=route, status=str(status)).inc()
+        self.requests.labels(route=route, status=str(status), client=CLIENT_NAME.get()).inc()
         self.duration.labels(route=route).observe(elapsed)
         if handler is None or not handler.opt.get("quiet"):
             log.info("request.completed", method=scope.get("method"), route=route,
@@ -88,7 +95,7 @@ class RequestMetrics:
         self.disconnects.labels(stream="true" if stream else "false").inc()
 
     def rejected(self, error: ApiError) -> None:
-        self.rejections.labels(reason=error.reason).inc()
+        self.rejections.labels(reason=error.reason, client=CLIENT_NAME.get()).inc()
 
     def clamped(self) -> None:
         self.clamps.inc()

@@ -23,6 +23,9 @@ from appliance.gate import Gate, Vetted
 from appliance.metrics import RequestMetrics
 from appliance.shapes import ErrorShape, StreamSoFar, encode, upstream_error
 from appliance.upstream import Reply, Upstream
+from appliance.usage import Meter
+
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
 
 log = structlog.get_logger("appliance.relay")
 
@@ -96,13 +99,16 @@ class Relay:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
         watch = Watch(receive, deps.engine)
-        slot: contextlib.AbstractAsyncContextManager[None] = (
-            deps.admission.slot() if self._vetted.api.admitted else contextlib.nullcontext())
+        vetted = self._vetted
+        # A route the engine does no generation work for takes no slot and is not metered.
+        slot: contextlib.AbstractAsyncContextManager[Meter] = (
+            deps.admission.slot(vetted.client, len(vetted.raw)) if vetted.api.admitted
+            else contextlib.nullcontext(Meter(enabled=False)))
         try:
             with watch:
-                async with slot:
+                async with slot as meter:
                     await deps.gate.fit_budget(self._vetted)
-                    await self._exchange(send, watch)
+                    await self._exchange(send, watch, meter)
         except asyncio.CancelledError:
             if watch.reason is None or (task := asyncio.current_task()) is None:
                 raise
@@ -115,29 +121,32 @@ class Relay:
             await self._fail(send, InternalError("internal error; the request id is in the "
                                                  "appliance's log", code="internal_error"))
 
-    async def _exchange(self, send: Send, watch: Watch) -> None:
+    async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> None:
         vetted, deps = self._vetted, self._deps
         body = vetted.body()
         headers = {"x-request-id": self._request_id, **self._forward}
         if body is not None:
             headers["content-type"] = "application/json"
+        if vetted.priority is not None:  # vLLM reads it on every generation route, over the body
+            headers[PRIORITY_HEADER] = str(vetted.priority)
         async with deps.upstream.exchange(vetted.method, vetted.target, body, headers) as reply:
             if reply.status >= 300:
                 error = upstream_error(reply.status, await reply.read())
                 raise vetted.refine(error) if vetted.refine is not None else error
             if vetted.stream:
-                await self._stream(send, reply, watch)
+                await self._stream(send, reply, watch, meter)
             else:
                 body = await reply.read()
+                meter.read_body(body)
                 await self._head(send, reply)
                 watch.disarm()
                 await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _stream(self, send: Send, reply: Reply, watch: Watch) -> None:
+    async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> None:
         started = time.perf_counter()
         await self._head(send, reply)
         first = True
-        async for chunk in reply.chunks():
+        async for chunk in meter.tap(reply.chunks(), strip=self._vetted.usage_added):
             if first:
                 self._deps.metrics.first_token(self._route, time.perf_counter() - started)
                 first = False

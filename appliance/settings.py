@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -154,6 +163,61 @@ class PolicySettings(_Group):
     max_tracked_responses: int = Field(10000, ge=1)
 
 
+PRIORITY_RANGE = 1_000_000  # vLLM takes any int64; a config beyond this is a typo
+
+
+class ClientSettings(_Group):
+    """One named client: its key (or the key's SHA-256) and what it may take."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    key: SecretStr | None = None
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    max_inflight: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    routes: list[str] | None = None
+    priority: int | None = Field(None, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> ClientSettings:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError(f"client {self.name!r}: set exactly one of key and key_sha256")
+        return self
+
+    def digest(self) -> str:
+        """The key's SHA-256 in lowercase hex, however it was given."""
+        return key_digest(self.key) if self.key is not None else (self.key_sha256 or "").lower()
+
+
+def key_digest(key: SecretStr) -> str:
+    return hashlib.sha256(key.get_secret_value().encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class AdmissionSettings(_Group):
+    """Who the clients are, and how a request waits for a slot when all are taken."""
+
+    queue_max: int = Field(64, ge=0)
+    queue_wait_s: float = Field(5.0, ge=0)
+    default_priority: int = Field(0, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+    priority_headroom: int = Field(4, ge=0)
+    priority_scheduling: Literal["auto", "on", "off"] = "auto"
+    clients: list[ClientSettings] = Field(default_factory=list)
+
+    @field_validator("clients")
+    @classmethod
+    def _unique_names(cls, clients: list[ClientSettings]) -> list[ClientSettings]:
+        names = [client.name for client in clients]
+        if duplicated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"client names must be unique: {', '.join(duplicated)}")
+        return clients
+
+    def engine_priority(self) -> bool:
+        """Whether the worker runs vLLM's priority scheduler: "auto" when a client has one."""
+        if self.priority_scheduling != "auto":
+            return self.priority_scheduling == "on"
+        return self.default_priority != 0 or any(c.priority is not None for c in self.clients)
+
+
 class SupervisorSettings(_Group):
     """How the worker is watched, stopped and restarted."""
 
@@ -213,6 +277,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     gpu: GpuSettings = Field(default_factory=GpuSettings)
     status: StatusSettings = Field(default_factory=StatusSettings)
@@ -233,6 +298,18 @@ class Settings(BaseSettings):
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    @model_validator(mode="after")
+    def _keys_name_one_client(self) -> Settings:
+        owners: dict[str, list[str]] = {}
+        for index, key in enumerate(self.server.api_keys):
+            owners.setdefault(key_digest(key), []).append(f"server.api_keys[{index}]")
+        for client in self.admission.clients:
+            owners.setdefault(client.digest(), []).append(f"client '{client.name}'")
+        shared = [" and ".join(names) for names in owners.values() if len(names) > 1]
+        if shared:
+            raise ValueError(f"one key names one caller: {'; '.join(shared)} have the same key")
+        return self
 
 
 class ConfigError(Exception):
@@ -263,8 +340,11 @@ def load_settings(**overrides: Any) -> Settings:
 def _describe(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
-        shown = "" if "password" in key or "key" in key else f" (got {error.get('input')!r})"
+        key = ".".join(str(part) for part in error["loc"]) or "settings"
+        given = error.get("input")
+        # A table or list may hold keys: only a scalar outside a key field is echoed.
+        secret = "password" in key or "key" in key or isinstance(given, dict | list)
+        shown = "" if secret else f" (got {given!r})"
         lines.append(f"{key}: {error['msg']}{shown}")
     return "; ".join(lines)
 
@@ -273,4 +353,6 @@ def masked_dump(settings: Settings) -> dict[str, Any]:
     """The effective settings as plain data, secrets shown as '***'."""
     data = settings.model_dump(mode="json")
     data["server"]["api_keys"] = ["***" for _ in settings.server.api_keys]
+    for client in data["admission"]["clients"]:
+        client["key"] = client["key"] and "***"
     return data

@@ -1,4 +1,4 @@
-"""`chat-appliance` command line: serve, check-config, status."""
+"""`chat-appliance` command line: serve, check-config, status, reload."""
 
 from __future__ import annotations
 
@@ -39,8 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="refresh until interrupted (Ctrl-C); keeps going while it restarts")
     status.add_argument("--interval", type=_positive_seconds, default=WATCH_INTERVAL_S,
                         metavar="S", help=f"seconds between refreshes (default {WATCH_INTERVAL_S})")
+    reload = commands.add_parser("reload", help="reload the clients and keys of a running "
+                                 "appliance from its configuration (key rotation)")
+    reload.add_argument("--url", help="base URL (default: http://127.0.0.1:<server.port>)")
     args = parser.parse_args(argv)
-    handler = {"serve": _serve, "check-config": _check_config, "status": _status}[args.command]
+    handler = {"serve": _serve, "check-config": _check_config, "status": _status,
+               "reload": _reload}[args.command]
     return handler(args)
 
 
@@ -133,6 +137,33 @@ def watch_status(
             sleep(interval_s)
     except KeyboardInterrupt:
         return 0
+
+
+def _reload(args: argparse.Namespace) -> int:
+    """Ask the running appliance to reload its clients; it reads its own configuration, and
+    keeps the clients in force if that is wrong (exit 2, with the reason)."""
+    url = args.url or f"http://{_local_host(_settings_or_exit())}"
+    try:
+        response = httpx.post(f"{url}/admin/reload", timeout=10, trust_env=False)
+        detail = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"chat-appliance is not answering at {url}: {exc}", file=sys.stderr)
+        return 3
+    if response.status_code != 200:
+        message = detail.get("error", {}).get("message") if isinstance(detail, dict) else None
+        print(f"chat-appliance: {message or response.text}", file=sys.stderr)
+        return EXIT_CONFIG if response.status_code == 400 else 1
+    names = ", ".join(detail["clients"]) or "none"
+    print(f"reloaded: clients {names}; {detail['keys']} keys (generation {detail['generation']})")
+    return 0
+
+
+def _local_host(settings: Settings) -> str:
+    """Where this machine reaches its own API: loopback unless it listens on one address."""
+    host = settings.server.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"[{host}]:{settings.server.port}" if ":" in host else f"{host}:{settings.server.port}"
 
 
 def _describe_health(detail: dict[str, object]) -> str:

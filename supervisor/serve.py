@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from appliance.admission import Admission
 from appliance.app import create_app
+from appliance.clients import Roster
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
-from appliance.settings import Settings
+from appliance.settings import ConfigError, EngineSettings, Settings, load_settings
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.gpuwatch import build_gpu_watch
 from supervisor.launcher import build_launcher
@@ -96,7 +97,7 @@ async def serve(settings: Settings) -> int:
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(engine, settings.policy.allowed_media_hosts)
+    launcher = build_launcher(worker_settings(settings), settings.policy.allowed_media_hosts)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
@@ -108,8 +109,11 @@ async def serve(settings: Settings) -> int:
 
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_task: asyncio.Task[None] | None = None
-    admission = Admission(settings.policy.max_inflight)
-    app = create_app(settings, manager, registry=registry, admission=admission,
+    admission = Admission.from_settings(settings)
+    clients = Roster.from_settings(settings)
+    # SIGHUP (systemctl reload, kill -HUP) reloads the clients, as `chat-appliance reload` does.
+    loop.add_signal_handler(signal.SIGHUP, _reload_clients, clients)
+    app = create_app(settings, manager, registry=registry, admission=admission, clients=clients,
                      alive=lambda: manager_task is not None and not manager_task.done(),
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
                      else None)
@@ -157,6 +161,22 @@ async def serve(settings: Settings) -> int:
         gpu.close()
     log.info("supervisor.stopped", restarts=manager.restarts)
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+def worker_settings(settings: Settings) -> EngineSettings:
+    """The engine's settings with vLLM's priority scheduler where clients have priorities (the
+    operator's own engine.extra_args come after, and win)."""
+    if not settings.admission.engine_priority():
+        return settings.engine
+    extra = ["--scheduling-policy", "priority", *settings.engine.extra_args]
+    return settings.engine.model_copy(update={"extra_args": extra})
+
+
+def _reload_clients(clients: Roster) -> None:
+    """SIGHUP: the clients table again from the settings; a bad file keeps the old one (the
+    reload logs why)."""
+    with contextlib.suppress(ConfigError):
+        clients.reload(load_settings)
 
 
 async def _run_server(server: _Server) -> None:

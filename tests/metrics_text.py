@@ -14,4 +14,6 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def value(text: str, name: str, **labels: str) -> float:
-    return samples(text).get((name, frozenset(labels.items())), 0.0)
+    """The sum over every series of `name` with these labels (labels not named: any value)."""
+    wanted = frozenset(labels.items())
+    return sum(v for (n, series), v in samples(text).items() if n == name and wanted <= series)

@@ -13,26 +13,36 @@ def check_bearer(authorization: str | None, keys: Sequence[str], *,
                  x_api_key: str | None = None) -> None:
     """Unauthorized (code invalid_api_key) unless `Bearer <key>` names one of `keys`.
 
-    No keys configured means the API is open. Every key is compared, on SHA-256 digests so
-    that neither which key matched nor a key's length shows in the timing. No message ever
-    contains a key, configured or presented. Where the route's protocol sends its key in an
-    `x-api-key` header (Anthropic's), pass that header's value as `x_api_key`: the Bearer
-    token wins when both are sent.
+    No keys configured means the API is open. No message ever contains a key, configured or
+    presented.
     """
-    if not keys:
-        return
+    if keys:
+        match_key(authorization, [digest(key) for key in keys], x_api_key=x_api_key)
+
+
+def match_key(authorization: str | None, digests: Sequence[bytes], *,
+              x_api_key: str | None = None) -> int:
+    """The index of the SHA-256 digest `Bearer <key>` matches; Unauthorized if none does.
+
+    Every digest is compared whatever the earlier ones gave, and on digests, so that neither
+    which key matched nor a key's length shows in the timing. Where the route's protocol
+    sends its key in an `x-api-key` header (Anthropic's), pass that header's value as
+    `x_api_key`: the Bearer token wins when both are sent.
+    """
     token = _bearer_token(authorization) or (x_api_key or "").strip()
     if not token:
         how = "'Authorization: Bearer <key>'" + (" or 'x-api-key: <key>'"
                                                   if x_api_key is not None else "")
         raise Unauthorized(f"Missing API key: send {how}.", code="invalid_api_key")
-    presented = _digest(token)
-    matched = False
-    for key in keys:
-        # No short-circuit: every key is compared whatever the earlier ones gave.
-        matched |= bool(key) and hmac.compare_digest(presented, _digest(key))
-    if not matched:
+    presented = digest(token)
+    found = -1
+    for index, candidate in enumerate(digests):
+        # No short-circuit: the loop runs to its end whatever matched.
+        if hmac.compare_digest(presented, candidate) and found < 0:
+            found = index
+    if found < 0:
         raise Unauthorized("Invalid API key.", code="invalid_api_key")
+    return found
 
 
 def _bearer_token(authorization: str | None) -> str:
@@ -40,5 +50,5 @@ def _bearer_token(authorization: str | None) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _digest(value: str) -> bytes:
+def digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 
-from appliance.policy import check_bearer
+from appliance.clients import ANYONE, Client, Roster
+from appliance.context import bind_client
+from appliance.errors import Forbidden
+
+_CLIENT = "appliance.client"  # where the guard leaves the client in the request's scope state
 
 
-def key_guard(keys: Sequence[str], *, x_api_key: bool = False) -> Guard:
-    """`Authorization: Bearer <key>` must name a configured key (none configured: open).
+def key_guard(clients: Roster, *, x_api_key: bool = False) -> Guard:
+    """`Authorization: Bearer <key>` must name a configured key (none configured: open, as the
+    anonymous client); the client it names must be allowed the route.
 
     With `x_api_key` the router's protocol sends its key as `x-api-key: <key>` (Anthropic's
     SDK does), which is accepted as well.
@@ -21,7 +26,20 @@ def key_guard(keys: Sequence[str], *, x_api_key: bool = False) -> Guard:
     # Async on purpose: Litestar runs a sync guard on a worker thread, a thread hop per request.
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:  # type: ignore[type-arg]
         headers = connection.headers
-        check_bearer(headers.get("authorization"), keys,
-                     x_api_key=headers.get("x-api-key", "") if x_api_key else None)
+        client = clients.identify(headers.get("authorization"),
+                                  headers.get("x-api-key", "") if x_api_key else None)
+        bind_client(client.name)
+        connection.scope.setdefault("state", {})[_CLIENT] = client
+        route = str(connection.scope.get("path_template") or connection.scope["path"])
+        if not client.may_use(route):
+            raise Forbidden(f"client '{client.name}' may not use {route}",
+                            code="route_not_allowed", reason="route_not_allowed")
 
     return guard
+
+
+def client_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Client:
+    """The client the key guard identified (anonymous where no guard ran)."""
+    state = connection.scope.get("state") or {}
+    client = state.get(_CLIENT, ANYONE)
+    return client if isinstance(client, Client) else ANYONE

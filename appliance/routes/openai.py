@@ -21,6 +21,7 @@ from appliance.engine import require_ready
 from appliance.errors import BadRequest, NotFound, RequestTimeout, engine_unavailable
 from appliance.gate import Vetted
 from appliance.relay import Relay, RelayDeps
+from appliance.routes.guards import client_of
 from appliance.settings import ServerSettings
 from appliance.upstream import Upstream
 
@@ -54,7 +55,7 @@ def generation(path: str, api: GenerationApi, deps: RouteDeps,
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
         require_ready(relay.engine)
         raw = await read_json_body(request, server.body_timeout_s)
-        vetted = await relay.gate.vet(raw, api)
+        vetted = await relay.gate.vet(raw, api, client_of(request))
         if prepare is not None:
             prepare(vetted)
         return relay_for(vetted, request, relay)
@@ -78,7 +79,7 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
                              "completion request (with 'prompt').", param="messages",
                              code="unknown_request_shape")
         api = CHAT if body.get("messages") is not None else COMPLETION
-        return relay_for(await relay.gate.vet(raw, api), request, relay)
+        return relay_for(await relay.gate.vet(raw, api, client_of(request)), request, relay)
 
     return handle
 

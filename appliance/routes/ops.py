@@ -23,7 +23,7 @@ def guarded_routes(engine: EngineView, metrics: RequestMetrics,
     def health() -> Response[dict[str, Any]]:
         ready = engine.state is EngineState.READY
         headers = {} if ready else {"Retry-After": str(engine.retry_after_s())}
-        detail = engine.snapshot() | {"in_flight": admission.in_flight}
+        detail = engine.snapshot() | {"in_flight": admission.in_flight, "queued": admission.queued}
         return Response(content=detail, status_code=200 if ready else 503, headers=headers)
 
     @get("/metrics", opt=QUIET, sync_to_thread=False)

@@ -38,6 +38,7 @@ CRASH_CLOSE_DELAY_S = 0.2
 
 class _Crash(Exception):
     """Raised after a 500 is sent: uvicorn then drops the connection, as a crashing worker does."""
+FINGERPRINT = "vllm-synthetic-0000"
 
 
 class Upstream:
@@ -55,6 +56,7 @@ class Upstream:
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
+        self.headers: list[dict[str, str]] = []  # of the generations, in order
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -75,6 +77,8 @@ class Upstream:
         if path in _GENERATIONS:
             request = json.loads(body or b"{}")
             self.received.append((path, request))
+            self.headers.append({k.decode("latin-1"): v.decode("latin-1")
+                                 for k, v in scope["headers"]})
             await self._complete(scope, receive, send, request)
         elif path.startswith("/v1/responses/") or path in _SMALL:
             await self._small(path, scope, json.loads(body or b"{}"), send)
@@ -166,7 +170,9 @@ class Upstream:
             if path in _PROTOCOLS:
                 await _PROTOCOLS[path](self, request, count, send)
             elif request.get("stream"):
-                await self._stream(send, chat, count, completion_id)
+                options = request.get("stream_options") or {}
+                usage = (prompt, count) if options.get("include_usage") else None
+                await self._stream(send, chat, count, completion_id, usage)
             else:
                 text = "tok " * count
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -175,27 +181,45 @@ class Upstream:
                 await _json(send, 200, {"id": completion_id, "object": "chat.completion",
                                         "created": int(time.time()), "model": self.model,
                                         "choices": [choice],
-                                        "usage": {"prompt_tokens": 1, "completion_tokens": count,
-                                                  "total_tokens": count + 1}})
+                                        "system_fingerprint": FINGERPRINT,
+                                        "usage": {"prompt_tokens": prompt,
+                                                  "completion_tokens": count,
+                                                  "total_tokens": count + prompt}})
         finally:
             self.running -= 1
 
-    async def _stream(self, send: Any, chat: bool, count: int, completion_id: str) -> None:
+    async def _stream(self, send: Any, chat: bool, count: int, completion_id: str,
+                      usage: tuple[int, int] | None) -> None:
+        """As vLLM: the last token's event says why it finished and carries the fingerprint,
+        unless usage was asked, which then comes in an event of its own that carries it."""
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(count):
-            delta = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": None} if chat
-                     else {"index": 0, "text": "tok ", "finish_reason": None})
+            finish = "length" if i == count - 1 else None
+            delta = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": finish} if chat
+                     else {"index": 0, "text": "tok ", "finish_reason": finish})
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
-            await send({"type": "http.response.body",
-                        "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
+            if finish and usage is None:
+                chunk["system_fingerprint"] = FINGERPRINT
+            await self._event(send, chunk)
             if self.delay:
                 await asyncio.sleep(self.delay)
+        if usage is not None:
+            prompt, completion = usage
+            await self._event(send, {"id": completion_id, "object": "chat.completion.chunk",
+                                     "created": 0, "model": self.model, "choices": [],
+                                     "usage": {"prompt_tokens": prompt,
+                                               "total_tokens": prompt + completion,
+                                               "completion_tokens": completion},
+                                     "system_fingerprint": FINGERPRINT})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
 
+    @staticmethod
+    async def _event(send: Any, chunk: dict[str, Any]) -> None:
+        body = b"data: " + _compact(chunk).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _responses(self, request: dict[str, Any], count: int, send: Any) -> None:
         previous = request.get("previous_response_id")
@@ -231,8 +255,14 @@ class Upstream:
             return
         delta = {"type": "content_block_delta", "index": 0,
                  "delta": {"type": "text_delta", "text": "tok "}}
-        await self._events(send, [("message_start", {"type": "message_start"}),
+        # As vLLM: the usage so far in message_start, the total in message_delta.
+        start = {"type": "message_start", "message": {
+            "id": "msg_synthetic", "type": "message", "role": "assistant", "content": [],
+            "model": self.model, "usage": usage | {"output_tokens": 0}}}
+        end = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage}
+        await self._events(send, [("message_start", start),
                                   *(("content_block_delta", delta) for _ in range(count)),
+                                  ("message_delta", end),
                                   ("message_stop", {"type": "message_stop"})])
 
     async def _batch(self, request: dict[str, Any], count: int, send: Any) -> None:
@@ -247,7 +277,7 @@ class Upstream:
                     "headers": [(b"content-type", b"text/event-stream")]})
         for name, data in events:
             await send({"type": "http.response.body", "more_body": True,
-                        "body": f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()})
+                        "body": f"event: {name}\ndata: {_compact(data)}\n\n".encode()})
             if self.delay:
                 await asyncio.sleep(self.delay)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -291,6 +321,11 @@ def _vllm_fault(request: dict[str, Any]) -> dict[str, Any] | None:
                                      "error, synthetic rejection [type=value_error]",
                           "type": "BadRequestError", "param": None, "code": 400}}
     return None
+
+
+def _compact(data: dict[str, Any]) -> str:
+    """JSON as vLLM writes it (pydantic's model_dump_json): no spaces."""
+    return json.dumps(data, separators=(",", ":"))
 
 
 def _completion_id(scope: Scope, path: str) -> str:

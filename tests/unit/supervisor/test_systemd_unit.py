@@ -94,3 +94,9 @@ def test_the_worker_cache_root_is_inside_a_writable_path() -> None:
     cache = Path(env["XDG_CACHE_HOME"]) / "vllm"
     assert values("ProtectSystem") == ["strict"] and values("ProtectHome") == ["yes"]
     assert any(cache.is_relative_to(path) for path in values("ReadWritePaths")), cache
+
+
+def test_systemctl_reload_runs_the_reload_command_so_a_bad_file_fails_it() -> None:
+    """`chat-appliance reload` exits non-zero with the reason when the new file is wrong;
+    a bare `kill -HUP` would report success whatever happened."""
+    assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]

@@ -1,0 +1,132 @@
+"""Named clients on the real vLLM worker: a flooding client is held to its own limit while
+another is served, a better priority overtakes a backlog inside the engine, and a metered
+stream reaches its client exactly as vLLM writes it. The worker runs one sequence at a time
+(max_num_seqs 1), so that its own waiting queue, and its order, can be seen; the times are
+measured by load/fairness.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from supervisor.engine_stats import EngineStats, parse_engine_stats
+from tests.integration.harness import Appliance, running_appliance
+
+FLOOD_LIMIT = 2
+CLIENTS = [
+    {"name": "flood", "key": "sk-flood", "max_inflight": FLOOD_LIMIT, "priority": 5},
+    {"name": "steady", "key": "sk-steady"},
+    {"name": "metered", "key": "sk-metered", "tokens_per_minute": 100_000},
+    {"name": "urgent", "key": "sk-urgent", "priority": -5},
+]
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def fair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    with running_appliance(Path(tmp_path_factory.mktemp("fairness")),
+                           admission__clients=json.dumps(CLIENTS),
+                           engine__max_num_seqs="1") as appliance:
+        appliance.wait_ready()
+        yield appliance
+
+
+def chat(appliance: Appliance, who: str, **body: object) -> httpx.Response:
+    return httpx.post(f"{appliance.url}/v1/chat/completions", timeout=120,
+                      headers={"Authorization": f"Bearer sk-{who}"},
+                      json={"messages": HI, "max_tokens": 8} | body)
+
+
+def test_a_flood_gets_429_naming_its_limit_while_another_client_is_served(fair: Appliance) -> None:
+    flood_body = {"max_tokens": 48, "ignore_eos": True}
+    with ThreadPoolExecutor(4 * FLOOD_LIMIT + 2) as pool:
+        flood = [pool.submit(chat, fair, "flood", **flood_body) for _ in range(4 * FLOOD_LIMIT)]
+        steady = [pool.submit(chat, fair, "steady") for _ in range(2)]
+        flooded = [f.result() for f in flood]
+        served = [f.result() for f in steady]
+    assert [r.status_code for r in served] == [200, 200]
+    refused = [r for r in flooded if r.status_code == 429]
+    assert len(refused) >= 2 * FLOOD_LIMIT and all(r.status_code in (200, 429) for r in flooded)
+    error = refused[0].json()["error"]
+    assert error["code"] == "client_max_inflight"
+    assert f"max_inflight {FLOOD_LIMIT}" in error["message"]
+    assert int(refused[0].headers["retry-after"]) >= 1
+    metrics = httpx.get(f"{fair.url}/metrics", timeout=5).text
+    assert 'appliance_rejections_total{client="flood",reason="client_max_inflight"}' in metrics
+
+
+def engine_stats(appliance: Appliance) -> EngineStats:
+    return parse_engine_stats(
+        httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text)
+
+
+def until(condition: Callable[[], bool], within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "the engine never got there"
+        time.sleep(0.05)
+
+
+def messages(appliance: Appliance, who: str, max_tokens: int) -> httpx.Response:
+    """Anthropic's route, the key in x-api-key as its SDK sends it."""
+    model = httpx.get(f"{appliance.url}/v1/models", timeout=10,
+                      headers={"Authorization": f"Bearer sk-{who}"}).json()["data"][0]["id"]
+    return httpx.post(f"{appliance.url}/v1/messages", timeout=120,
+                      headers={"x-api-key": f"sk-{who}"},
+                      json={"model": model, "messages": HI, "max_tokens": max_tokens,
+                            "priority": -1000})
+
+
+@pytest.mark.parametrize("route", ["chat", "messages"])
+def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance,
+                                                                 route: str) -> None:
+    """One running, one waiting (the flood's priority 5); then the urgent client (-5): under
+    first-come-first-served it would finish last, with priorities it finishes second. On
+    Anthropic's route too, whose body has no priority: vLLM reads the appliance's header."""
+    spawned = [e for e in fair.log_events() if e.get("event") in ("worker.spawned", "worker.forked")]
+    assert "--scheduling-policy" in spawned[-1]["argv"]
+    finished: list[str] = []
+
+    def run(who: str, tag: str, tokens: int = 16) -> None:
+        if tag == "urgent" and route == "messages":
+            response = messages(fair, who, tokens)
+        else:
+            response = chat(fair, who, max_tokens=tokens, ignore_eos=True, priority=-1000)
+        assert response.status_code == 200, response.text  # its own priority is overridden
+        finished.append(tag)
+
+    with ThreadPoolExecutor(3) as pool:
+        done = [pool.submit(run, "flood", "first", 96)]  # runs while the others arrive
+        until(lambda: engine_stats(fair).running == 1)
+        done.append(pool.submit(run, "flood", "backlog"))
+        until(lambda: engine_stats(fair).waiting == 1)
+        done.append(pool.submit(run, "urgent", "urgent"))
+        until(lambda: engine_stats(fair).waiting == 2 or len(finished) > 0)
+        for future in done:
+            future.result()
+    assert finished == ["first", "urgent", "backlog"]
+
+
+def normalized(text: str) -> str:
+    return re.sub(r'"id":"[^"]*","object":"([^"]*)","created":\d+', r'"id":"X","object":"\1"', text)
+
+
+def test_a_metered_stream_reaches_its_client_as_vllm_writes_it(fair: Appliance) -> None:
+    body = {"messages": HI, "max_tokens": 12, "seed": 11, "stream": True}
+
+    def stream(who: str) -> str:
+        with httpx.stream("POST", f"{fair.url}/v1/chat/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer sk-{who}"}) as response:
+            assert response.status_code == 200
+            return normalized(response.read().decode())
+
+    metered, plain = stream("metered"), stream("steady")
+    assert metered == plain
+    assert '"usage"' not in metered and '"system_fingerprint"' in metered
