@@ -73,6 +73,8 @@ async def test_the_leftovers_of_a_dead_server_are_killed_without_waiting_the_gra
     report = await worker.stop(grace_s=30)  # type: ignore[attr-defined]
     assert time.monotonic() - started < 10
     assert report.escalated and not session_members(worker.pid)  # type: ignore[attr-defined]
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in pids)
 
 
 def test_command_binds_loopback_and_uses_the_cpu_recipe() -> None:
