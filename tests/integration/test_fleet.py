@@ -47,7 +47,8 @@ TOKEN_DELAY_S = 0.01  # ~0.16 s a request: requests are in flight when the worke
 CLIENTS = 6
 MIN_LOAD_S = 15.0
 SERVED_BEFORE_KILL = 30  # requests each node serves before the kill, and node1 after it is back
-RESTART_BACKOFF_S = 2.0  # the killed node answers 503 at least this long: the checks must see it
+WORKER_BOOT_S = 2.0  # a restarted worker loads this long (a real one: 7-60 s); the node answers
+# 503 meanwhile, long enough for HAProxy's checks to take it out of rotation
 BOUNDED_WAIT_S = 30.0
 # `option httplog`: ... backend/server Tq/Tw/Tc/Tr/Ta status bytes - - flags
 # actconn/feconn/beconn/srv_conn/retries queues {X-Request-Id} "request"
@@ -125,14 +126,14 @@ def running_haproxy(workdir: Path, nodes: list[Appliance]) -> Iterator[Fleet]:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     workdir = Path(tmp_path_factory.mktemp("fleet"))
-    worker_args = ("--tokens", "64", "--token-delay", str(TOKEN_DELAY_S))
+    worker_args = ("--tokens", "64", "--token-delay", str(TOKEN_DELAY_S),
+                   "--boot-s", str(WORKER_BOOT_S))
     with contextlib.ExitStack() as stack:
         nodes = []
         for name in ("node1", "node2"):
             (workdir / name).mkdir()
             nodes.append(stack.enter_context(running_synthetic_appliance(
-                workdir / name, *worker_args, supervisor__backoff_initial_s=str(RESTART_BACKOFF_S),
-                supervisor__health_interval_s="0.2")))
+                workdir / name, *worker_args, supervisor__health_interval_s="0.2")))
         for node in nodes:
             node.wait_ready(60)
         running = stack.enter_context(running_haproxy(workdir, nodes))

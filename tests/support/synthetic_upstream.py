@@ -373,7 +373,10 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--model", default="synthetic")
     parser.add_argument("--faults", action="store_true", help="vLLM's 400s and crashes (see above)")
+    parser.add_argument("--boot-s", type=float, default=0.0,
+                        help="seconds before it listens, as a real engine loads its model")
     args = parser.parse_args()
+    time.sleep(args.boot_s)
     app = Upstream(args.tokens, args.token_delay, args.model, faults=args.faults)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
