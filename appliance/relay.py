@@ -108,7 +108,10 @@ class Relay:
             with watch:
                 async with slot as meter:
                     await deps.gate.fit_budget(self._vetted)
-                    await self._exchange(send, watch, meter)
+                    last = await self._exchange(send, watch, meter)
+                # The slot is given back and the usage charged before the client can see the
+                # end: its next request never finds this one still holding them.
+                await send(last)
         except asyncio.CancelledError:
             if watch.reason is None or (task := asyncio.current_task()) is None:
                 raise
@@ -121,7 +124,8 @@ class Relay:
             await self._fail(send, InternalError("internal error; the request id is in the "
                                                  "appliance's log", code="internal_error"))
 
-    async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> None:
+    async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> Message:
+        """Relays the answer but its last message, which it returns."""
         vetted, deps = self._vetted, self._deps
         body = vetted.body()
         headers = {"x-request-id": self._request_id, **self._forward}
@@ -134,15 +138,14 @@ class Relay:
                 error = upstream_error(reply.status, await reply.read())
                 raise vetted.refine(error) if vetted.refine is not None else error
             if vetted.stream:
-                await self._stream(send, reply, watch, meter)
-            else:
-                body = await reply.read()
-                meter.read_body(body)
-                await self._head(send, reply)
-                watch.disarm()
-                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return await self._stream(send, reply, watch, meter)
+            body = await reply.read()
+            meter.read_body(body)
+            await self._head(send, reply)
+            watch.disarm()
+            return {"type": "http.response.body", "body": body, "more_body": False}
 
-    async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> None:
+    async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> Message:
         started = time.perf_counter()
         await self._head(send, reply)
         first = True
@@ -153,7 +156,7 @@ class Relay:
             self._so_far.relayed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         watch.disarm()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return {"type": "http.response.body", "body": b"", "more_body": False}
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._vetted.headers)

@@ -104,8 +104,15 @@ def test_openai_agents_default_model_class_answers(surface: Appliance, model: st
     agent = agents.Agent(name="greeter", instructions="Reply with one short sentence.",
                          model=agents.OpenAIResponsesModel(model=model, openai_client=client),
                          model_settings=agents.ModelSettings(max_tokens=96, temperature=0))
-    result = asyncio.run(agents.Runner.run(agent, "Say hello."))
-    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+    async def run() -> object:
+        try:
+            return await agents.Runner.run(agent, "Say hello.")
+        finally:  # on its own loop: left to the garbage collector, it closes on a later test's
+            await client.close()
+
+    result = asyncio.run(run())
+    assert isinstance(result.final_output, str) and result.final_output.strip()  # type: ignore[attr-defined]
 
 
 def test_anthropic_sdk_messages_create_stream_and_count(surface: Appliance, model: str) -> None:
