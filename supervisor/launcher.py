@@ -19,7 +19,13 @@ from supervisor.template import (
     TemplateError,
     TemplateProcess,
 )
-from supervisor.worker import ProcessLauncher, SessionWorker, build_command, build_env
+from supervisor.worker import (
+    ProcessLauncher,
+    SessionWorker,
+    build_command,
+    build_env,
+    port_released,
+)
 
 log = structlog.get_logger("supervisor.launcher")
 
@@ -78,6 +84,7 @@ class TemplateLauncher:
     async def start(self) -> SessionWorker:
         reason = await self._ready_template()
         if self._template is not None and reason is None:
+            await port_released(self._engine.host, self._engine.port)
             try:
                 argv = self._engine.command or build_command(self._engine, self._media_hosts)
                 worker = await self._template.fork(argv, os.getcwd(),

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ log = structlog.get_logger("supervisor.worker")
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 NO_MEDIA_HOST = "none.invalid"
+PORT_RELEASE_S = 10.0  # how long a start waits for the old worker's port
 PIPE_LINE_LIMIT = 2**16  # bytes per output line, as asyncio's own default; longer lines are skipped
 
 
@@ -98,6 +100,36 @@ def cache_env(engine: EngineSettings) -> dict[str, str]:
     if engine.resolved_device() == "cuda":
         env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
     return env
+
+
+async def port_released(host: str, port: int, timeout_s: float = PORT_RELEASE_S) -> bool:
+    """Waits until nothing listens on the worker's port: a worker restarted at once after a
+    kill can otherwise find its predecessor's socket still open (the kernel closes it as the
+    killed tree finishes exiting) and die on 'Address already in use'. False after timeout_s
+    (logged); the start goes ahead and a failed boot is handled as any other."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    waited = False
+    while not _bindable(host, port):
+        if loop.time() >= deadline:
+            log.warning("worker.port_busy", host=host, port=port, waited_s=timeout_s)
+            return False
+        waited = True
+        await asyncio.sleep(0.05)
+    if waited:
+        log.info("worker.port_released", host=host, port=port)
+    return True
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -223,6 +255,7 @@ class ProcessLauncher:
                 "or set engine.python"
             )
         command = self._engine.command or build_command(self._engine, self._media_hosts)
+        await port_released(self._engine.host, self._engine.port)
         loop = asyncio.get_running_loop()
         transport, protocol = await loop.subprocess_exec(
             lambda: _ExitProtocol(loop),

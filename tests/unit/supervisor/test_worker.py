@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,13 @@ import structlog
 from appliance.settings import EngineSettings
 from supervisor.exits import describe_exit
 from supervisor.serve import prepare_cache_dir
-from supervisor.worker import ProcessLauncher, build_command, build_env, session_members
+from supervisor.worker import (
+    ProcessLauncher,
+    build_command,
+    build_env,
+    port_released,
+    session_members,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +126,18 @@ def test_an_unwritable_cache_root_is_a_warning_that_names_it(tmp_path: Path) -> 
     assert warning["event"] == "engine.cache_unwritable" and warning["log_level"] == "warning"
     assert warning["path"] == str(tmp_path / "a-file" / "vllm")
     assert info["event"] == "engine.cache_dir"
+
+
+async def test_a_start_waits_for_the_old_workers_port_to_be_released() -> None:
+    """A killed tree closes its listening socket as it finishes exiting; a worker started at
+    once must not bind before that, or it dies on 'Address already in use'."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    asyncio.get_running_loop().call_later(0.3, listener.close)
+    started = time.monotonic()
+    assert await port_released("127.0.0.1", port, timeout_s=10)
+    assert time.monotonic() - started >= 0.25
+    holder = socket.create_server(("127.0.0.1", 0))
+    with holder, structlog.testing.capture_logs() as logs:
+        assert not await port_released("127.0.0.1", holder.getsockname()[1], timeout_s=0.2)
+    assert [e["event"] for e in logs] == ["worker.port_busy"]
