@@ -342,7 +342,8 @@
   }
 
   function latency(s) {
-    return s < 1 ? (s * 1000).toPrecision(2) + " ms" : s.toFixed(2) + " s";
+    // toPrecision writes 270 ms as "2.7e+2": round to two significant digits as a number
+    return s < 1 ? Number((s * 1000).toPrecision(2)) + " ms" : s.toFixed(2) + " s";
   }
 
   function gib(bytes) {
