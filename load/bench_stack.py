@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[1]
 LITELLM_HOME = Path.home() / ".cache" / "chat-appliance-bench"
@@ -34,13 +35,7 @@ class Service:
 
     def stop(self) -> None:
         """SIGTERM, grace, SIGKILL: only the process we started (the appliance reaps its own)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        terminate(self.proc, STOP_GRACE_S)
 
 
 def cpu_seconds(pid: int, children: bool = False) -> float:

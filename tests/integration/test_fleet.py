@@ -39,6 +39,7 @@ import pytest
 
 from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.net import free_port
+from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
@@ -115,12 +116,7 @@ def running_haproxy(workdir: Path, nodes: list[Appliance]) -> Iterator[Fleet]:
     try:
         yield Fleet(f"http://127.0.0.1:{port}", nodes, socket_path, log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc)
 
 
 @pytest.fixture(scope="module")

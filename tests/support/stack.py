@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from load.procstat import Usage, usage
 from load.rawclient import Target
 from tests.metrics_text import samples
 from tests.net import free_port
+from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT_S = 60.0
@@ -175,13 +175,7 @@ def _wait_ready(stack: Stack) -> None:
 def _stop(stack: Stack) -> None:
     """SIGTERM (serve drains and stops its worker), then kill whatever of ours is left."""
     family = _family(stack.proc.pid)
-    if stack.proc.poll() is None:
-        stack.proc.send_signal(signal.SIGTERM)
-    try:
-        stack.proc.wait(STOP_S)
-    except subprocess.TimeoutExpired:
-        stack.proc.kill()
-        stack.proc.wait(10)
+    terminate(stack.proc, STOP_S)
     for process in family:
         with contextlib.suppress(psutil.Error):
             process.kill()

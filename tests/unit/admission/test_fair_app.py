@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,7 @@ from appliance.clients import Roster
 from appliance.settings import Settings
 from tests.metrics_text import value
 from tests.support.synthetic_upstream import FINGERPRINT
-from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -34,13 +34,6 @@ CLIENTS = [
      "routes": ["/v1/chat/completions"], "priority": 7},
 ]
 
-
-async def eventually(condition: Callable[[], bool], within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def auth(who: str) -> dict[str, str]:

@@ -15,8 +15,7 @@ import pytest
 from appliance.app import create_app
 from appliance.settings import Settings
 from tests.metrics_text import value
-from tests.unit.admission.test_fair_app import eventually
-from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
 HI = [{"role": "user", "content": "hi"}]

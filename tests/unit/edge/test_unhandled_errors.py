@@ -17,6 +17,7 @@ import pytest
 
 from tests.metrics_text import samples
 from tests.net import free_port
+from tests.support.processes import terminate
 from tests.support.stack import ROOT
 from tests.unit.edge.shapes import assert_openai_error
 
@@ -59,12 +60,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
         _wait_listening(f"http://127.0.0.1:{port}", proc)
         yield Faulty(f"http://127.0.0.1:{port}", log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc)
 
 
 def _wait_listening(url: str, proc: subprocess.Popen[bytes]) -> None:
