@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from appliance.policy.auth import check_bearer
 from appliance.policy.body import parse_json, validate_chat, validate_completion
 from appliance.policy.max_tokens import CLAMP_HEADER, Clamp, clamp_max_tokens, header_value
 from appliance.policy.media import (
@@ -21,7 +20,6 @@ __all__ = [
     "Clamp",
     "MediaPart",
     "apply_thinking",
-    "check_bearer",
     "check_media",
     "check_n",
     "check_tools",

@@ -9,17 +9,6 @@ from collections.abc import Sequence
 from appliance.errors import Unauthorized
 
 
-def check_bearer(authorization: str | None, keys: Sequence[str], *,
-                 x_api_key: str | None = None) -> None:
-    """Unauthorized (code invalid_api_key) unless `Bearer <key>` names one of `keys`.
-
-    No keys configured means the API is open. No message ever contains a key, configured or
-    presented.
-    """
-    if keys:
-        match_key(authorization, [digest(key) for key in keys], x_api_key=x_api_key)
-
-
 def match_key(authorization: str | None, digests: Sequence[bytes], *,
               x_api_key: str | None = None) -> int:
     """The index of the SHA-256 digest `Bearer <key>` matches; Unauthorized if none does.
