@@ -20,7 +20,7 @@ from appliance.app import create_app
 from appliance.clients import Roster
 from appliance.settings import Settings
 from tests.metrics_text import value
-from tests.support.synthetic_upstream import FINGERPRINT
+from tests.support.synthetic_upstream import FINGERPRINT, Upstream
 from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
@@ -223,14 +223,22 @@ async def one_slot(url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngin
         yield client, engine, admission
 
 
+async def one_running_one_queued(client: httpx.AsyncClient, fake: Upstream, admission: Admission,
+                                 ) -> tuple[asyncio.Future[httpx.Response],
+                                            asyncio.Future[httpx.Response]]:
+    """A long request holding the only slot, and a second one waiting in the queue behind it."""
+    long = asyncio.ensure_future(client.post("/v1/chat/completions",
+                                             json=CHAT | {"max_tokens": 100}))
+    await eventually(lambda: fake.running == 1)
+    waiting = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+    await eventually(lambda: admission.queued == 1)
+    return long, waiting
+
+
 async def test_a_queued_request_whose_client_leaves_gives_up_its_place() -> None:
     async with upstream(tokens=100, delay=0.02) as (fake, url), one_slot(url) as (
             client, _, admission):
-        long = asyncio.ensure_future(client.post("/v1/chat/completions",
-                                                 json=CHAT | {"max_tokens": 100}))
-        await eventually(lambda: fake.running == 1)
-        waiting = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await eventually(lambda: admission.queued == 1)
+        long, waiting = await one_running_one_queued(client, fake, admission)
         waiting.cancel()
         await eventually(lambda: admission.queued == 0)
         assert (await long).status_code == 200
@@ -240,11 +248,7 @@ async def test_a_queued_request_whose_client_leaves_gives_up_its_place() -> None
 async def test_a_queued_request_gets_503_when_the_engine_is_lost() -> None:
     async with upstream(tokens=100, delay=0.02) as (fake, url), one_slot(url) as (
             client, engine, admission):
-        long = asyncio.ensure_future(client.post("/v1/chat/completions",
-                                                 json=CHAT | {"max_tokens": 100}))
-        await eventually(lambda: fake.running == 1)
-        waiting = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await eventually(lambda: admission.queued == 1)
+        long, waiting = await one_running_one_queued(client, fake, admission)
         engine.fire_lost()
         refused, first = await waiting, await long
     assert refused.status_code == 503 and "retry-after" in refused.headers
