@@ -255,3 +255,27 @@ async def test_a_queued_request_gets_503_when_the_engine_is_lost() -> None:
     assert refused.json()["error"]["code"] == "engine_unavailable"
     assert first.status_code == 503
     assert admission.queued == 0 and admission.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_slot_is_given_back_before_the_client_sees_the_end(stream: bool) -> None:
+    """A client's next request must never find its previous one still holding a slot: the
+    answer's last message goes out only after the slot is released."""
+    settings = Settings(policy={"max_inflight": 1})
+    async with upstream(tokens=4) as (_, url):
+        admission = Admission.from_settings(settings)
+        app = create_app(settings, FakeEngine(url), admission=admission)
+        in_flight_at_end: list[int] = []
+
+        async def spy(scope: Any, receive: Any, send: Any) -> None:
+            async def sending(message: Any) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    in_flight_at_end.append(admission.in_flight)
+                await send(message)
+            await app(scope, receive, sending)
+
+        transport = httpx.ASGITransport(app=spy)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            response = await client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
+    assert response.status_code == 200
+    assert in_flight_at_end == [0]
