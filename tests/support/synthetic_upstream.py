@@ -53,6 +53,7 @@ class Upstream:
         self.tokenized = 0
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
         self.generated = 0
+        self.generated_tokens = 0  # as vLLM's counter: moves with every token, streamed or not
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
@@ -96,6 +97,8 @@ class Upstream:
             await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
         elif path == "/metrics":
             text = (f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+                    f'vllm:generation_tokens_total{{model_name="{self.model}"}} '
+                    f"{self.generated_tokens}\n"
                     f"synthetic_tokenize_calls_total {self.tokenized}\n"
                     f"synthetic_generate_calls_total {self.generated}\n")
             await _raw(send, 200, text.encode(), b"text/plain")
@@ -165,8 +168,11 @@ class Upstream:
         count = min(self.tokens, budget if isinstance(budget, int) and budget > 0 else self.tokens)
         self.running += 1
         try:
-            if self.delay and not request.get("stream"):
-                await asyncio.sleep(self.delay * count)
+            if not request.get("stream"):
+                for _ in range(count):  # tokens are made one at a time, as a real engine does
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                    self.generated_tokens += 1
             if path in _PROTOCOLS:
                 await _PROTOCOLS[path](self, request, count, send)
             elif request.get("stream"):
@@ -200,6 +206,7 @@ class Upstream:
                      else {"index": 0, "text": "tok ", "finish_reason": finish})
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
+            self.generated_tokens += 1
             if finish and usage is None:
                 chunk["system_fingerprint"] = FINGERPRINT
             await self._event(send, chunk)
@@ -276,6 +283,7 @@ class Upstream:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for name, data in events:
+            self.generated_tokens += name in _TOKEN_EVENTS
             await send({"type": "http.response.body", "more_body": True,
                         "body": f"event: {name}\ndata: {_compact(data)}\n\n".encode()})
             if self.delay:
@@ -288,6 +296,7 @@ _PROTOCOLS: dict[str, Protocol] = {"/v1/responses": Upstream._responses,
                                    "/v1/messages": Upstream._messages,
                                    "/v1/chat/completions/batch": Upstream._batch}
 _GENERATIONS = frozenset({"/v1/chat/completions", "/v1/completions", *_PROTOCOLS})
+_TOKEN_EVENTS = frozenset({"response.output_text.delta", "content_block_delta"})
 _SMALL = frozenset({"/v1/messages/count_tokens", "/detokenize", "/version"})
 
 
