@@ -58,6 +58,7 @@ class Admission:
         self._queue: FairQueue[_Waiter] = FairQueue()
         self._accounts: dict[str, Account] = {}
         self.mean_hold_s = _FIRST_HOLD_S
+        self.admitted = 0  # slots granted so far: work the engine was given
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Admission:
@@ -85,6 +86,7 @@ class Admission:
         except BaseException:
             account.held -= 1
             raise
+        self.admitted += 1
         meter = Meter(client.tokens_per_minute is not None, prompt_bytes)
         started = self._clock()
         try:

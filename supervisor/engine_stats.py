@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)", re.M)
 _WANTED = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -15,6 +14,10 @@ _WANTED = {
     "vllm:iteration_tokens_total_count": "iterations",
     "vllm:num_preemptions_total": "preemptions",
 }
+# Only the wanted series' lines: the worker's page is ~60 KB (600 lines, mostly histogram
+# buckets) and a pattern that starts with a literal is searched for, not tried at each line.
+_SAMPLE = re.compile("\n(" + "|".join(re.escape(name) for name in _WANTED) + ")"
+                     r"(?:\{[^}\n]*\})?[ \t]+([-+0-9.eEinfNa]+)")
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,7 @@ class EngineStats:
 def parse_engine_stats(text: str) -> EngineStats:
     """Sum the worker's samples of each series we read (one per model/engine label)."""
     found: dict[str, float] = {}
-    for match in _SAMPLE.finditer(text):
-        field = _WANTED.get(match.group(1))
-        if field is not None:
-            found[field] = found.get(field, 0.0) + float(match.group(3))
+    for name, value in _SAMPLE.findall("\n" + text):
+        field = _WANTED[name]
+        found[field] = found.get(field, 0.0) + float(value)
     return EngineStats(**found)

@@ -90,7 +90,10 @@ async def serve(settings: Settings) -> int:
     prepare_cache_dir(engine.resolved_cache_dir())
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
-    progress = ProgressMonitor(prober, sup)
+    admission = Admission.from_settings(settings)
+    # Only requests the API admits make the engine work: while none is, it is not read again.
+    progress = ProgressMonitor(prober, sup,
+                               demand=lambda: (admission.in_flight, admission.admitted))
     monitors: list[Monitor] = [
         HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures),
         progress,
@@ -109,7 +112,6 @@ async def serve(settings: Settings) -> int:
 
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_task: asyncio.Task[None] | None = None
-    admission = Admission.from_settings(settings)
     clients = Roster.from_settings(settings)
     # SIGHUP (systemctl reload, kill -HUP) reloads the clients, as `chat-appliance reload` does.
     loop.add_signal_handler(signal.SIGHUP, _reload_clients, clients)

@@ -61,8 +61,10 @@ class EngineActivity:
         self._members: list[psutil.Process] = []
         self._refreshed = float("-inf")
 
-    def __call__(self, worker: Worker) -> Activity | None:
-        """None when the set of processes changed since the last call (deltas would lie)."""
+    def __call__(self, worker: Worker, threads: bool = True) -> Activity | None:
+        """None when the set of processes changed since the last call (deltas would lie).
+        Without `threads` the thread states are not read (the costly part: a file per thread)
+        and `runnable` is 0."""
         changed = False
         alone = [p.pid for p in self._members] == [worker.pid]  # children may come later
         if worker.pid != self._leader or alone \
@@ -82,7 +84,8 @@ class EngineActivity:
                 self._refreshed = float("-inf")  # one ended: rescan next time
                 return None
             total += times.user + times.system
-            runnable += _runnable_threads(proc.pid)
+            if threads:
+                runnable += _runnable_threads(proc.pid)
         return None if changed else Activity(total, runnable)
 
 
@@ -105,14 +108,26 @@ def _runnable_threads(pid: int) -> int:
     return count
 
 
+Demand = Callable[[], tuple[int, int]]  # (generation requests in flight, admitted so far)
+
+
 class ProgressMonitor:
+    """Reads the engine's counters each `progress_interval_s` while there is work, and only
+    then. With a `demand` (the API's admission), a reading that found the engine idle stays
+    true until a request is admitted: nothing else makes it work, so the monitor does not ask
+    again (a /metrics read costs the worker's API server about 10 ms of CPU a second) and
+    runs only the idle canary. The engine threads' states (a /proc file per thread) are read
+    only while the counters stand still, the one time a verdict needs them."""
+
     name = "progress"
 
     def __init__(self, prober: ProgressProber, settings: SupervisorSettings, *,
-                 activity: Callable[[Worker], Activity | None] | None = None,
+                 demand: Demand | None = None,
+                 activity: Callable[[Worker, bool], Activity | None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._prober = prober
         self._sup = settings
+        self._demand = demand
         self._clock = clock
         self._activity = activity or EngineActivity(clock)
         self.stats: EngineStats | None = None  # the last reading, for /metrics
@@ -127,27 +142,46 @@ class ProgressMonitor:
         self._last_progress = now
         self._last_canary = now
         self._samples: deque[tuple[float, Activity]] = deque()
+        self._admitted_at_reading: int | None = None  # the demand's count when last read idle
 
     async def check(self, worker: Worker) -> ExitCause | None:
         now = self._clock()
         if now < self._due:
             return None
         self._due = now + self._sup.progress_interval_s
+        demand = self._demand() if self._demand is not None else None
+        if self._still_idle(demand):
+            self._last_progress = now  # idle is not stalled
+            self._sample(now, self._activity(worker, False))
+            return await self._idle_canary(now, worker)
         stats = await self._prober.engine_stats()
-        self._sample(now, self._activity(worker))
         if stats is None:
+            self._sample(now, self._activity(worker, True))
             return None  # the worker did not answer: the health monitor's call to make
         self.stats = stats
+        self._admitted_at_reading = demand[1] if demand is not None and not stats.busy else None
         if not stats.busy:
             self._counters, self._last_progress = stats.progress, now
+            self._sample(now, self._activity(worker, False))
             return await self._idle_canary(now, worker)
         if stats.progress != self._counters:
             stretch = now - self._last_progress
             if self._counters is not None:
                 self.longest_step_s = max(self.longest_step_s, stretch)
             self._counters, self._last_progress = stats.progress, now
+            # The base of a later stall's window: a sample at or before its start, whose
+            # threads a verdict never reads (only those of samples after the start).
+            self._sample(now, self._activity(worker, False))
             return None
+        self._sample(now, self._activity(worker, True))
         return self._verdict(now)
+
+    def _still_idle(self, demand: tuple[int, int] | None) -> bool:
+        """The last reading found the engine idle and no request was admitted since."""
+        if demand is None or self._admitted_at_reading is None:
+            return False
+        in_flight, admitted = demand
+        return in_flight == 0 and admitted == self._admitted_at_reading
 
     def _verdict(self, now: float) -> ExitCause | None:
         sup = self._sup
@@ -169,12 +203,13 @@ class ProgressMonitor:
         if now - self._last_canary < self._sup.canary_interval_s:
             return None
         self._last_canary = now
-        before = self._activity(worker)
+        self._admitted_at_reading = None  # the canary moves the counters: read them again
+        before = self._activity(worker, True)
         if await self._prober.canary(self._sup.canary_timeout_s):
             return None
         # No answer in time: a stopped engine, or a starved one still working on it (seen
         # here at load 26 on two cores). Only the first is a hang.
-        after = self._activity(worker)
+        after = self._activity(worker, True)
         timeout = self._sup.canary_timeout_s
         if before is not None and after is not None and (
                 after.runnable or after.cpu_s - before.cpu_s >= self._sup.hang_cpu_floor * timeout):

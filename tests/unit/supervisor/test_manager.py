@@ -113,10 +113,10 @@ class FakeProber:
         return EngineStats(running=1.0 if worker.busy else 0.0, iterations=float(worker.steps))
 
 
-def engine_activity(worker: Worker) -> Activity:
+def engine_activity(worker: Worker, threads: bool) -> Activity:
     """A fake engine whose CPU time the test drives; busy threads whenever it moved."""
     assert isinstance(worker, FakeWorker)
-    runnable = int(worker.cpu != worker.last_cpu)
+    runnable = int(worker.cpu != worker.last_cpu) if threads else 0
     worker.last_cpu = worker.cpu
     return Activity(worker.cpu, runnable)
 

@@ -26,15 +26,25 @@ class Engine:
     answers_metrics: bool = True
     decodes: bool = True
     canaries: int = 0
+    reads: int = 0  # of /metrics
+    thread_reads: int = 0  # of the threads' states
 
     async def engine_stats(self) -> EngineStats | None:
+        self.reads += 1
         if not self.answers_metrics:
             return None
         return EngineStats(running=1.0 if self.busy else 0.0, iterations=float(self.iterations))
 
     async def canary(self, timeout_s: float) -> bool:
         self.canaries += 1
+        self.iterations += 1  # one step, as the real canary's token
         return self.decodes
+
+    def activity(self, threads: bool) -> Activity | None:
+        if self.cpu is None:
+            return None
+        self.thread_reads += threads
+        return Activity(self.cpu, self.runnable if threads else 0)
 
 
 class Clock:
@@ -48,9 +58,12 @@ SETTINGS = SupervisorSettings(progress_interval_s=1, hang_stall_s=5, hang_cpu_fl
                               hang_busy_floor_s=120, canary_interval_s=30, canary_timeout_s=3)
 
 
-def monitor(engine: Engine, clock: Clock, settings: SupervisorSettings = SETTINGS) -> ProgressMonitor:
-    return ProgressMonitor(engine, settings, clock=clock, activity=lambda _: None
-                           if engine.cpu is None else Activity(engine.cpu, engine.runnable))
+def monitor(engine: Engine, clock: Clock, settings: SupervisorSettings = SETTINGS,
+            demand: list[int] | None = None) -> ProgressMonitor:
+    """`demand`: [in flight, admitted so far], as the API's admission tells them."""
+    return ProgressMonitor(engine, settings, clock=clock,
+                           demand=None if demand is None else lambda: (demand[0], demand[1]),
+                           activity=lambda _, threads: engine.activity(threads))
 
 
 async def run_for(seconds: float, mon: ProgressMonitor, engine: Engine, clock: Clock,
@@ -142,6 +155,67 @@ async def test_a_changed_process_set_is_not_read_as_an_idle_cpu() -> None:
     engine, clock = Engine(busy=True, cpu=None), Clock()  # the reader says: deltas would lie
     _, cause = await run_for(30, monitor(engine, clock), engine, clock)
     assert cause is None
+
+
+async def test_an_idle_engine_is_read_again_only_once_a_request_is_admitted() -> None:
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    mon = monitor(engine, clock, demand=demand)
+    await run_for(20, mon, engine, clock)
+    assert engine.reads == 1  # one reading found it idle: nothing else makes it work
+    demand[:] = [1, 1]
+    engine.busy = True
+    await run_for(5, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)
+    assert engine.reads == 6  # each second while there is work
+    demand[0] = 0
+    engine.busy = False
+    await run_for(5, mon, engine, clock)
+    assert engine.reads == 7  # the reading that found it idle again, then none
+    assert mon.stats is not None and not mon.stats.busy
+
+
+async def test_a_request_come_and_gone_between_two_checks_is_still_read() -> None:
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    mon = monitor(engine, clock, demand=demand)
+    await run_for(3, mon, engine, clock)
+    demand[1] += 1  # admitted and answered within the second: its tokens moved the counters
+    engine.iterations += 4
+    await run_for(3, mon, engine, clock)
+    assert engine.reads == 2 and mon.stats is not None and mon.stats.iterations == 4
+
+
+async def test_the_idle_canary_still_runs_and_is_read_after() -> None:
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    mon = monitor(engine, clock, demand=demand)
+    _, cause = await run_for(65, mon, engine, clock)
+    assert cause is None and engine.canaries == 2
+    assert engine.reads == 3  # the first, and one after each canary's token
+    assert mon.stats is not None and mon.stats.iterations == 2
+    engine.decodes = False
+    _, cause = await run_for(40, mon, engine, clock)
+    assert cause is not None and "canary" in cause.detail
+
+
+async def test_a_prefill_after_a_long_quiet_spell_is_not_taken_for_a_stall() -> None:
+    """Unread while idle for longer than the busy floor, then a long prefill: the stall is
+    counted from the last idle second, not from the last reading."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    rare_canary = SETTINGS.model_copy(update={"canary_interval_s": 1000})  # no read after one
+    mon = monitor(engine, clock, rare_canary, demand=demand)
+    await run_for(400, mon, engine, clock)
+    demand[:] = [1, 1]
+    engine.busy = True
+    _, cause = await run_for(100, mon, engine, clock, cpu_per_s=0.3)  # counters still
+    assert cause is None
+
+
+async def test_thread_states_are_read_only_while_the_counters_stand_still() -> None:
+    engine, clock = Engine(busy=True), Clock()
+    mon = monitor(engine, clock)
+    await run_for(30, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)
+    assert engine.thread_reads == 0
+    after, cause = await run_for(30, mon, engine, clock)  # stopped
+    assert engine.thread_reads == after
+    assert cause is not None and "not running" in cause.detail and 5 <= after <= 7
 
 
 def test_thread_states_are_read_from_proc_for_real_processes() -> None:

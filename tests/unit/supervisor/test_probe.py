@@ -1,0 +1,97 @@
+"""The prober against a real HTTP server on loopback: answers, failures that never raise, and
+a kept-alive connection the worker closed while idle, which is sent again, not a failed probe."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from supervisor.probe import HttpProber
+from tests.net import free_port
+
+pytestmark = pytest.mark.anyio
+
+METRICS = b'vllm:num_requests_running{engine="0"} 1.0\nvllm:generation_tokens_total 42.0\n'
+
+
+class Worker(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's uvicorn
+    drop_idle = False  # close each connection after answering, without saying so
+    connections = 0
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections += 1
+
+    def do_GET(self) -> None:
+        body = {"/health": b"", "/metrics": METRICS}.get(self.path)
+        self._answer(200 if body is not None else 404, body or b"")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(200, b'{"choices": [{"text": "!"}]}')
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = self.drop_idle
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[http.server.ThreadingHTTPServer, str]]:
+    Worker.connections, Worker.drop_idle = 0, False
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Worker)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_probes_read_the_worker_over_one_kept_alive_connection(worker) -> None:  # type: ignore[no-untyped-def]
+    _, url = worker
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        assert await prober.healthy()
+        stats = await prober.engine_stats()
+        assert stats is not None and stats.running == 1.0 and stats.generation_tokens == 42.0
+        assert await prober.canary(5)
+        assert not await prober.serving()  # /v1/models is a 404 here
+        assert Worker.connections == 1
+    finally:
+        await prober.aclose()
+
+
+async def test_a_connection_the_worker_closed_while_idle_is_not_a_failed_probe(worker) -> None:  # type: ignore[no-untyped-def]
+    _, url = worker
+    Worker.drop_idle = True
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        for _ in range(5):
+            assert await prober.healthy()
+        assert Worker.connections == 5
+    finally:
+        await prober.aclose()
+
+
+async def test_a_worker_that_is_gone_fails_the_probe_without_raising(worker) -> None:  # type: ignore[no-untyped-def]
+    server, url = worker
+    Worker.drop_idle = True  # a dead worker leaves no connection open
+    prober = HttpProber(url, "m", timeout_s=2)
+    try:
+        assert await prober.healthy()
+        server.shutdown()
+        server.server_close()
+        assert not await prober.healthy()
+        assert await prober.engine_stats() is None
+        assert not await prober.canary(1)
+    finally:
+        await prober.aclose()
