@@ -52,6 +52,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.idle_since = time.monotonic()
+        self._deadline: asyncio.TimerHandle | None = None
+        self._timeout = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -64,14 +66,18 @@ class _Connection(asyncio.Protocol):
         self.failure: _Lost | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self._last_byte = 0.0  # loop time of the last byte; the read deadline counts from it
+        self._disarm()
 
     # --- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self.answered = True
+        self._last_byte = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -80,6 +86,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
         if not self.complete:
             self._fail(f"connection lost: {type(exc).__name__ if exc else 'closed'}")
 
@@ -104,29 +111,47 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self._disarm()
         self._wake()
 
     # --- the exchange -----------------------------------------------------------------------
 
-    def begin(self, request: bytes) -> None:
+    def begin(self, request: bytes, timeout_s: float) -> None:
+        """Send the request; from now on the worker owes a byte at least every `timeout_s`."""
         self._reset()
         assert self.transport is not None
         self.transport.write(request)
+        self._timeout = timeout_s
+        self._last_byte = self._loop.time()
+        self._deadline = self._loop.call_at(self._last_byte + timeout_s, self._check_deadline)
 
-    async def wait(self, timeout_s: float) -> None:
+    async def wait(self) -> None:
         """Until something new arrived (head, body, end) or the connection failed."""
         if self.failure is not None:
             raise self.failure
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        except TimeoutError:
-            raise _Lost(f"no byte from the worker for {timeout_s:g}s", self.answered) from None
+            await self._waiter
         finally:
             self._waiter = None
         if self.failure is not None:
             raise self.failure
+
+    def _check_deadline(self) -> None:
+        """One timer per exchange, moved on lazily: a byte costs a clock read, not a timer."""
+        due = self._last_byte + self._timeout
+        if self._paused:  # the silence is ours: the client has not taken what came
+            due = self._loop.time() + self._timeout
+        if self._loop.time() < due:
+            self._deadline = self._loop.call_at(due, self._check_deadline)
+            return
+        self._deadline = None
+        self._fail(f"no byte from the worker for {self._timeout:g}s")
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def take(self) -> bytes:
         data = b"".join(self.chunks)
@@ -134,6 +159,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         if self._paused and self.transport is not None:
             self._paused = False
+            self._last_byte = self._loop.time()  # the worker's time to answer starts again
             self.transport.resume_reading()
         return data
 
@@ -143,6 +169,7 @@ class _Connection(asyncio.Protocol):
                 and not self.transport.is_closing())
 
     def close(self) -> None:
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
 
@@ -159,11 +186,10 @@ class _Connection(asyncio.Protocol):
 class Reply:
     """The worker's answer once its head arrived: status, headers, then the body on demand."""
 
-    __slots__ = ("_conn", "_timeout", "headers", "status")
+    __slots__ = ("_conn", "headers", "status")
 
-    def __init__(self, conn: _Connection, timeout_s: float) -> None:
+    def __init__(self, conn: _Connection) -> None:
         self._conn = conn
-        self._timeout = timeout_s
         self.status = conn.status
         self.headers = [(k, v) for k, v in conn.headers if k not in _DROP]
 
@@ -188,7 +214,7 @@ class Reply:
 
     async def _next(self) -> None:
         try:
-            await self._conn.wait(self._timeout)
+            await self._conn.wait()
         except _Lost as exc:
             raise _lost(exc) from exc
 
@@ -219,7 +245,7 @@ class Upstream:
         request = self._request_bytes(method, path, body, headers)
         conn = await self._send(request)
         try:
-            yield Reply(conn, self._server.upstream_read_timeout_s)
+            yield Reply(conn)
         finally:
             self._release(conn)
 
@@ -252,10 +278,10 @@ class Upstream:
         tried again on a fresh connection."""
         for attempt in range(_STALE_RETRIES + 1):
             conn, pooled = await self._acquire()
-            conn.begin(request)
+            conn.begin(request, self._server.upstream_read_timeout_s)
             try:
                 while not conn.head_done:
-                    await conn.wait(self._server.upstream_read_timeout_s)
+                    await conn.wait()
                 return conn
             except _Lost as exc:
                 self._release(conn)

@@ -51,11 +51,12 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(answer: Callable[[int, asyncio.StreamWriter], bytes | None]
+async def serving(answer: Callable[[int, asyncio.StreamWriter], bytes | None],
+                  settings: ServerSettings | None = None
                   ) -> AsyncIterator[tuple[Server, Upstream]]:
     server, port = Server(answer), free_port()
     listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
-    upstream = Upstream(f"http://127.0.0.1:{port}", ServerSettings(), lambda: 3)
+    upstream = Upstream(f"http://127.0.0.1:{port}", settings or ServerSettings(), lambda: 3)
     try:
         yield server, upstream
     finally:
@@ -128,3 +129,44 @@ async def test_a_chunked_stream_is_read_in_order_to_its_end() -> None:
             assert not any(name == b"transfer-encoding" for name, _ in reply.headers)
         assert await upstream.call("GET", "/again") == (200, None)  # the connection was reused
     assert server.connections == 1
+
+
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+QUICK = ServerSettings(upstream_read_timeout_s=0.3)
+
+
+def _drip(events: int, every_s: float) -> Callable[[int, asyncio.StreamWriter], bytes]:
+    """The head now, then one event every `every_s`, then the end."""
+    def answer(n: int, writer: asyncio.StreamWriter) -> bytes:
+        loop = asyncio.get_running_loop()
+        for i in range(events):
+            loop.call_later(every_s * (i + 1), writer.write, b"9\r\ndata: x\n\n\r\n")
+        loop.call_later(every_s * (events + 1), writer.write, b"0\r\n\r\n")
+        return STREAM_HEAD
+    return answer
+
+
+async def test_a_worker_silent_past_the_read_timeout_mid_answer_is_engine_lost() -> None:
+    async with serving(lambda n, w: STREAM_HEAD, QUICK) as (_, upstream), \
+            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineUnavailable) as caught:
+            async for _ in reply.chunks():
+                pass
+    assert caught.value.code == "engine_lost"
+    assert 0.25 <= asyncio.get_running_loop().time() - started < 2
+
+
+async def test_the_read_timeout_counts_from_the_last_byte_not_the_request() -> None:
+    """Ten events 0.2 s apart take 2 s in all, far past the 0.3 s timeout: none is late."""
+    async with serving(_drip(10, 0.2), QUICK) as (_, upstream), \
+            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+        assert b"".join([chunk async for chunk in reply.chunks()]) == b"data: x\n\n" * 10
+
+
+async def test_a_worker_that_never_answers_the_head_is_engine_unavailable() -> None:
+    async with serving(lambda n, w: None, QUICK) as (_, upstream):
+        with pytest.raises(EngineUnavailable) as caught:
+            await upstream.call("POST", "/v1/completions", {"prompt": "x"})
+    assert caught.value.code == "engine_unavailable"
