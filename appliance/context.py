@@ -41,8 +41,13 @@ def request_context(app: ASGIApp) -> ASGIApp:
         bound = {"request_id": request_id}
         if (trace_id := _trace_id(scope["headers"])) is not None:
             bound["trace_id"] = trace_id
-        with structlog.contextvars.bound_contextvars(**bound):
+        # Bound and reset by token: structlog's bound_contextvars() first copies the whole
+        # context to save what it will restore, on every request.
+        tokens = structlog.contextvars.bind_contextvars(**bound)
+        try:
             await app(scope, receive, send)
+        finally:
+            structlog.contextvars.reset_contextvars(**tokens)
 
     return middleware
 
