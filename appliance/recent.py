@@ -2,10 +2,10 @@
 
 Nothing here runs per request or per chunk. Once per `status.sample_interval_s` a sample reads
 cumulative counters that exist anyway: the engine's own generated-token counter (the reading
-the progress monitor takes each second), the appliance's time-to-first-token histogram, and
-the in-flight count. Rates and means over `status.rate_window_s` are derived from differences
-of those counters only when someone asks (`series()`), so a page nobody watches costs one
-sample a second.
+the progress monitor takes each second while there is work), the appliance's
+time-to-first-token histogram, and the in-flight count. Rates and means over
+`status.rate_window_s` are derived from differences of those counters only when someone asks
+(`series()`), so a page nobody watches costs one sample a second.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ meanwhile: the appliance's own process (API, supervisor, monitors), vLLM's API-s
 (the worker's leader) and its EngineCore (the model). The result is the ratio of CPU per request,
 appliance / vLLM API server: the gateway must never be what saturates first.
 
-Both processes also spend CPU with no request at all: the appliance watches its worker (the
-engine's /metrics every second, /proc task states, health probes, the status sampler) and vLLM's
-server answers those and runs its own loops. That cost is per second, not per request: it is
+Both processes also spend CPU with no request at all: the appliance watches its worker (health
+probes, the engine processes' CPU time, the idle canary, the status sampler) and vLLM's server
+answers those and runs its own loops. While requests run, the appliance also reads the engine's
+/metrics each second for hang detection, and vLLM's server spends CPU answering it (counted in
+its column: it is what the deployment costs). That cost is per second, not per request: it is
 measured in an idle window before the rounds and after them, reported as ms/s, and the table
 shows the ratio both as measured and above that idle cost.
 """
