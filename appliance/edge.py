@@ -13,7 +13,7 @@ The request body is read by the route, within server.body_timeout_s.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import structlog
@@ -23,6 +23,33 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from appliance.settings import ServerSettings
 
 log = structlog.get_logger("appliance.edge")
+
+DIRECT_BODY = "chat-appliance.direct_body"  # the scope extension that carries a DirectBody
+
+
+class DirectBody:
+    """A streamed answer's body written straight to the client's connection, from the
+    worker connection's own callback: no task switch and no ASGI send per event.
+
+    Only for a response uvicorn already started in chunked encoding (a relayed stream, whose
+    head went through ASGI as usual, so middleware saw its status) and only while the client
+    keeps up: `write` says False when the client's socket is paused or gone, and the caller
+    then sends the rest through ASGI, which waits for the client as uvicorn does. The last
+    message (the chunked terminator) always goes through ASGI, which completes the cycle."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (cycle.disconnected or cycle.flow.write_paused or cycle.response_complete
+                or not cycle.chunked_encoding):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
 
 class _Refused(Exception):
     """Raised from a parser callback once the connection was refused: stops the parse."""
@@ -102,6 +129,9 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             self._in_head, self._head_bytes = False, 0
             self._disarm_head_timer()
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.scope is self.scope:
+                extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
+                extensions[DIRECT_BODY] = DirectBody(self.cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)

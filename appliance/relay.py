@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import structlog
 from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission import Admission
+from appliance.edge import DIRECT_BODY, DirectBody
 from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
 from appliance.gate import Gate, Vetted
@@ -94,10 +96,14 @@ class Relay:
         self._shape: ErrorShape = vetted.api.shape
         self._so_far = StreamSoFar(vetted.payload)  # what a stream's ending must know
         self._started = False  # the head has gone to the client
+        self._sending = False  # a chunk is on its way through ASGI: none may pass it
+        self._first_at: float | None = None  # perf_counter of the head, until the first chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
+        direct = cast(dict[str, Any], scope.get("extensions") or {}).get(DIRECT_BODY)
+        self._direct = direct if isinstance(direct, DirectBody) else None
         watch = Watch(receive, deps.engine)
         vetted = self._vetted
         # A route the engine does no generation work for takes no slot and is not metered.
@@ -146,17 +152,34 @@ class Relay:
             return {"type": "http.response.body", "body": body, "more_body": False}
 
     async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> Message:
-        started = time.perf_counter()
+        self._first_at = time.perf_counter()
         await self._head(send, reply)
-        first = True
+        if self._direct is not None and not meter.enabled:
+            # Each event straight from the worker's connection to the client's while the
+            # client keeps up; what it cannot take yet comes through the loop below.
+            reply.forward(self._write_direct)
         async for chunk in meter.tap(reply.chunks(), strip=self._vetted.usage_added):
-            if first:
-                self._deps.metrics.first_token(self._route, time.perf_counter() - started)
-                first = False
-            self._so_far.relayed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._relayed(chunk)
+            self._sending = True
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finally:
+                self._sending = False
         watch.disarm()
         return {"type": "http.response.body", "body": b"", "more_body": False}
+
+    def _write_direct(self, chunk: bytes) -> bool:
+        assert self._direct is not None
+        if self._sending or not self._direct.write(chunk):
+            return False
+        self._relayed(chunk)
+        return True
+
+    def _relayed(self, chunk: bytes) -> None:
+        if self._first_at is not None:
+            self._deps.metrics.first_token(self._route, time.perf_counter() - self._first_at)
+            self._first_at = None
+        self._so_far.relayed(chunk)
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._vetted.headers)

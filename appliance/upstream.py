@@ -66,6 +66,9 @@ class _Connection(asyncio.Protocol):
         self.failure: _Lost | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        # Takes a body chunk as it is parsed, or says False to have it buffered for the
+        # reader: a stream relayed without a task switch per event (see Reply.forward).
+        self.sink: Callable[[bytes], bool] | None = None
         self._last_byte = 0.0  # loop time of the last byte; the read deadline counts from it
         self._disarm()
 
@@ -102,6 +105,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None and not self.chunks and self.sink(body):
+            return  # nothing buffered ahead of it: order is kept
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and self.transport is not None and not self._paused:
@@ -200,6 +205,11 @@ class Reply:
             parts.append(conn.take())
         parts.append(conn.take())
         return b"".join(parts)
+
+    def forward(self, sink: Callable[[bytes], bool]) -> None:
+        """From now on each chunk goes to `sink` as it is parsed, unless the sink says False
+        or chunks wait in the buffer; `chunks()` then yields only those, and ends as ever."""
+        self._conn.sink = sink
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """What has arrived, as it arrives: under load several events leave in one write."""

@@ -54,6 +54,7 @@ class Upstream:
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
         self.generated = 0
         self.generated_tokens = 0  # as vLLM's counter: moves with every token, streamed or not
+        self.word = "tok "  # each streamed chat/completion token's text
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
@@ -202,8 +203,8 @@ class Upstream:
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(count):
             finish = "length" if i == count - 1 else None
-            delta = ({"index": 0, "delta": {"content": "tok "}, "finish_reason": finish} if chat
-                     else {"index": 0, "text": "tok ", "finish_reason": finish})
+            delta = ({"index": 0, "delta": {"content": self.word}, "finish_reason": finish}
+                     if chat else {"index": 0, "text": self.word, "finish_reason": finish})
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
             self.generated_tokens += 1

@@ -46,7 +46,7 @@ async def appliance(url: str, policy: dict[str, Any] | None = None,
     settings = Settings(server={"api_keys": [KEYS["plain"]]}, policy=policy or {},
                         admission={"clients": CLIENTS, **admission})
     port = free_port()
-    async with serving(create_app(settings, FakeEngine(url)), port), httpx.AsyncClient(
+    async with serving(create_app(settings, FakeEngine(url)), port, settings), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         yield client
 
@@ -184,7 +184,7 @@ async def test_reload_from_this_machine_rotates_keys_and_a_bad_file_keeps_the_ol
     port = free_port()
     async with upstream() as (_, url), serving(create_app(settings, FakeEngine(url),
                                                           clients=Roster.from_settings(settings)),
-                                               port), httpx.AsyncClient(
+                                               port, settings), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         def models(key: str) -> Any:
             return client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
@@ -218,7 +218,7 @@ async def test_reload_refuses_a_caller_from_elsewhere_or_through_a_proxy() -> No
 async def one_slot(url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine, Admission]]:
     settings = Settings(policy={"max_inflight": 1}, admission={"queue_wait_s": 30})
     engine, admission, port = FakeEngine(url), Admission.from_settings(settings), free_port()
-    async with serving(create_app(settings, engine, admission=admission), port), \
+    async with serving(create_app(settings, engine, admission=admission), port, settings), \
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         yield client, engine, admission
 

@@ -34,7 +34,7 @@ async def appliance(url: str, policy: dict[str, Any] | None = None,
                     **admission: Any) -> AsyncIterator[httpx.AsyncClient]:
     settings = Settings(policy=policy or {}, admission={"clients": CLIENTS, **admission})
     port = free_port()
-    async with serving(create_app(settings, FakeEngine(url)), port), httpx.AsyncClient(
+    async with serving(create_app(settings, FakeEngine(url)), port, settings), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         yield client
 

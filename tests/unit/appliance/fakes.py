@@ -10,8 +10,10 @@ from typing import Any
 
 import httpx
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
 from appliance.settings import Settings
 from tests.net import free_port
@@ -61,9 +63,13 @@ class FakeReading:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any, port: int) -> AsyncIterator[uvicorn.Server]:
+async def serving(app: Any, port: int, settings: Settings | None = None
+                  ) -> AsyncIterator[uvicorn.Server]:
+    """`app` on a real socket; with `settings`, behind the edge protocol serve runs it with."""
+    http: Any = "auto" if settings is None else edge_protocol(
+        settings.server, EdgeMetrics(CollectorRegistry()))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="on"))
+                                           access_log=False, lifespan="on", http=http))
     task = asyncio.create_task(server.serve())
     while not server.started:
         assert not task.done(), "server failed to start"
@@ -86,8 +92,8 @@ async def upstream(tokens: int = 8, delay: float = 0.0) -> AsyncIterator[tuple[U
 @contextlib.asynccontextmanager
 async def appliance(engine: FakeEngine, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The real app over a real socket in front of `engine`, and a client for it."""
-    port = free_port()
-    async with serving(create_app(Settings(**settings), engine), port), httpx.AsyncClient(
+    port, config = free_port(), Settings(**settings)
+    async with serving(create_app(config, engine), port, config), httpx.AsyncClient(
         base_url=f"http://127.0.0.1:{port}", timeout=10
     ) as client:
         yield client

@@ -21,7 +21,7 @@ async def test_known_sequence_gives_exact_counts() -> None:
     async with upstream() as (_, url):
         engine = FakeEngine(url)
         port = free_port()
-        async with serving(create_app(Settings(), engine), port), httpx.AsyncClient(
+        async with serving(create_app(Settings(), engine), port, Settings()), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10
         ) as client:
             chat = "/v1/chat/completions"

@@ -1,0 +1,89 @@
+"""A relayed stream's events go from the worker's connection straight to the client's while
+the client keeps up, and through ASGI while it does not: complete and in order either way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import Counter
+from collections.abc import Iterator
+
+import httptools
+import pytest
+
+from appliance.edge import DirectBody
+from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
+
+pytestmark = pytest.mark.anyio
+
+CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[bool]]:
+    """What each direct write said: True written, False left to ASGI (client not keeping up)."""
+    seen: Counter[bool] = Counter()
+    write = DirectBody.write
+
+    def counted(self: DirectBody, body: bytes) -> bool:
+        seen[result := write(self, body)] += 1
+        return result
+
+    monkeypatch.setattr(DirectBody, "write", counted)
+    yield seen
+
+
+def sequence(body: bytes) -> list[int]:
+    """The synthetic worker numbers its chunks ("n"); the [DONE] line must end the stream."""
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: "))["n"] for e in events[:-1]]
+
+
+async def test_a_stream_to_a_client_that_keeps_up_goes_direct_and_whole(writes) -> None:  # type: ignore[no-untyped-def]
+    async with upstream(tokens=50, delay=0.002) as (_, url), \
+            appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+        assert response.status_code == 200
+        assert sequence(response.content) == list(range(50))
+        metrics = (await client.get("/metrics")).text
+    assert writes[True] >= 40 and writes[False] == 0  # a few may come two to a read
+    assert "appliance_time_to_first_token_seconds_count" in metrics
+
+
+async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> None:  # type: ignore[no-untyped-def]
+    """A tiny receive buffer and a reader that sleeps first: the client's socket fills, the
+    rest waits in the relay and goes through ASGI, and nothing passes anything."""
+    tokens = 2000  # the window is 2048
+    async with upstream(tokens=tokens) as (fake, url), appliance(FakeEngine(url)) as client:
+        fake.word = "x" * 5000  # 10 MB in all: more than the sockets between us hold (4 MB)
+        port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        payload = json.dumps(CHAT | {"stream": True, "max_tokens": tokens}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (len(payload), payload))
+        await asyncio.sleep(1.0)  # not reading: the appliance's socket buffer fills
+        body, done = bytearray(), asyncio.Event()
+
+        class Parsed:
+            def on_body(self, chunk: bytes) -> None:
+                body.extend(chunk)
+
+            def on_message_complete(self) -> None:
+                done.set()
+
+        parser = httptools.HttpResponseParser(Parsed())
+        while not done.is_set():
+            data = await asyncio.wait_for(reader.read(4096), 10)
+            assert data, "the appliance closed the connection mid-stream"
+            parser.feed_data(data)
+        writer.close()
+    assert parser.get_status_code() == 200
+    assert sequence(bytes(body)) == list(range(tokens))
+    assert writes[True] > 0 and writes[False] > 0  # both paths were taken
