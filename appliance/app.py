@@ -62,7 +62,7 @@ def create_app(
     upstream = Upstream(engine.base_url, settings.server, engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
-    recent = Recent(settings.status, metrics.ttft, lambda: admission.in_flight, engine_reading)
+    recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
                                              *status.data_routes(sources)],

@@ -40,6 +40,10 @@ class RequestMetrics:
         self.ttft = Histogram("appliance_time_to_first_token_seconds",
                               "Time from request to the first streamed chunk.", ["route"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        # The same over every route, kept as it is observed: the status sampler reads it each
+        # second, and summing the histogram's samples costs 340 us for four routes.
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
         self.in_flight = Gauge("appliance_requests_in_flight",
                                "Generation requests admitted and not yet answered.", registry=r)
         self.rejections = Counter("appliance_rejections", "Requests refused, by reason and client.",
@@ -90,6 +94,8 @@ class RequestMetrics:
 
     def first_token(self, route: str, seconds: float) -> None:
         self.ttft.labels(route=route).observe(seconds)
+        self.ttft_sum += seconds
+        self.ttft_count += 1
 
     def disconnected(self, stream: bool) -> None:
         self.disconnects.labels(stream="true" if stream else "false").inc()

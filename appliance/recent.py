@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client import Histogram
-
 from appliance.settings import StatusSettings
 
 
@@ -38,6 +36,16 @@ class EngineCounters(Protocol):
 EngineReading = Callable[[], EngineCounters | None]
 
 
+class TtftTotals(Protocol):
+    """Time to first token, summed and counted over every route (RequestMetrics)."""
+
+    @property
+    def ttft_sum(self) -> float: ...
+
+    @property
+    def ttft_count(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Sample:
     at: float  # wall clock, for the page's time axis
@@ -50,7 +58,7 @@ class Sample:
 class Recent:
     """A bounded ring of samples and what the page derives from it."""
 
-    def __init__(self, settings: StatusSettings, ttft: Histogram, in_flight: Callable[[], int],
+    def __init__(self, settings: StatusSettings, ttft: TtftTotals, in_flight: Callable[[], int],
                  engine: EngineReading, clock: Callable[[], float] = time.time) -> None:
         self._settings = settings
         self._ttft = ttft
@@ -62,10 +70,9 @@ class Recent:
 
     def sample(self) -> None:
         reading = self._engine()
-        ttft_sum, ttft_count = _histogram_totals(self._ttft)
         self.samples.append(Sample(self._clock(),
                                    reading.generation_tokens if reading is not None else None,
-                                   ttft_sum, ttft_count, self._in_flight()))
+                                   self._ttft.ttft_sum, self._ttft.ttft_count, self._in_flight()))
 
     async def run(self) -> None:
         """Sample until cancelled (the app's lifespan owns this task)."""
@@ -110,15 +117,3 @@ def _mean_ttft(first: Sample, last: Sample) -> float | None:
     if count <= 0:
         return None
     return round((last.ttft_sum - first.ttft_sum) / count, 4)
-
-
-def _histogram_totals(histogram: Histogram) -> tuple[float, float]:
-    """Sum and count over every label set, through the public collect() API."""
-    total = count = 0.0
-    for family in histogram.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_sum"):
-                total += sample.value
-            elif sample.name.endswith("_count"):
-                count += sample.value
-    return total, count

@@ -22,7 +22,7 @@ class Clock:
 def make(**status: float) -> tuple[Recent, RequestMetrics, Clock, list[Reading | None]]:
     metrics, clock = RequestMetrics(CollectorRegistry()), Clock()
     engine: list[Reading | None] = [Reading()]
-    recent = Recent(StatusSettings(**status), metrics.ttft, lambda: 3, lambda: engine[0], clock)
+    recent = Recent(StatusSettings(**status), metrics, lambda: 3, lambda: engine[0], clock)
     return recent, metrics, clock, engine
 
 
