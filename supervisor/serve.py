@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -149,6 +150,12 @@ async def serve(settings: Settings) -> int:
         return EXIT_FAILURE
     log.info("supervisor.listening", host=settings.server.host, port=settings.server.port)
     notifier.ready(f"API listening on {settings.server.port}; engine starting")
+    # What start-up built (modules, the app, its routes and models) lives as long as the
+    # process: out of the collector's sight, so that the full collections that many requests
+    # in flight provoke do not walk it again each time (GC time in a non-streaming load run
+    # on the synthetic worker, gc.callbacks: 2.0 -> 1.2 s).
+    gc.collect()
+    gc.freeze()
 
     # 4. The worker, and the watchdog ping that proves this loop still turns.
     manager_task = asyncio.create_task(manager.run())
