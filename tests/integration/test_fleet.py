@@ -110,9 +110,14 @@ def running_haproxy(workdir: Path, nodes: list[Appliance]) -> Iterator[Fleet]:
     if os.geteuid() != 0:  # only root can drop to the haproxy user the example names
         env["FLEET_KEEP_USER"] = "1"
     log_path = workdir / "haproxy.log"
+    # HAProxy drops a line logged to stdout while another thread writes one (by design,
+    # haproxy#1861); the tests read one line per request, so this HAProxy runs one thread.
+    one_thread = workdir / "one-thread.cfg"
+    one_thread.write_text("global\n    nbthread 1\n")
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(HAPROXY), "-db", "-f", str(HAPROXY_CFG)], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen([str(HAPROXY), "-db", "-f", str(HAPROXY_CFG), "-f", str(one_thread)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     try:
         yield Fleet(f"http://127.0.0.1:{port}", nodes, socket_path, log_path)
     finally:
