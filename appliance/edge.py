@@ -44,8 +44,10 @@ class DirectBody:
 
     def write(self, body: bytes) -> bool:
         cycle = self._cycle
+        # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
+        # hears of it on a later turn of the loop, and a closed transport refuses writes.
         if (cycle.disconnected or cycle.flow.write_paused or cycle.response_complete
-                or not cycle.chunked_encoding):
+                or not cycle.chunked_encoding or cycle.transport.is_closing()):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True

@@ -87,3 +87,18 @@ async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> 
     assert parser.get_status_code() == 200
     assert sequence(bytes(body)) == list(range(tokens))
     assert writes[True] > 0 and writes[False] > 0  # both paths were taken
+
+
+def test_nothing_is_written_to_a_connection_being_closed() -> None:
+    """Closing, but uvicorn not yet told (it hears of it a turn of the loop later)."""
+    from types import SimpleNamespace
+
+    written: list[bytes] = []
+    transport = SimpleNamespace(is_closing=lambda: closing, write=written.append)
+    cycle = SimpleNamespace(disconnected=False, flow=SimpleNamespace(write_paused=False),
+                            response_complete=False, chunked_encoding=True, transport=transport)
+    closing = False
+    direct = DirectBody(cycle)
+    assert direct.write(b"data: 1\n\n") and written == [b"9\r\ndata: 1\n\n\r\n"]
+    closing = True
+    assert not direct.write(b"data: 2\n\n") and len(written) == 1
