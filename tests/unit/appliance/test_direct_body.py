@@ -102,3 +102,59 @@ def test_nothing_is_written_to_a_connection_being_closed() -> None:
     assert direct.write(b"data: 1\n\n") and written == [b"9\r\ndata: 1\n\n\r\n"]
     closing = True
     assert not direct.write(b"data: 2\n\n") and len(written) == 1
+
+
+def test_a_chunk_the_sink_refused_keeps_its_place_ahead_of_later_ones() -> None:
+    from appliance.upstream import _Connection
+
+    offered: list[bytes] = []
+    answers = iter([False, True])
+    conn = _Connection()
+    conn.sink = lambda chunk: offered.append(chunk) or next(answers)
+    conn.on_body(b"1")  # refused: buffered for the relay task
+    conn.on_body(b"2")  # something is buffered ahead of it: not offered at all
+    assert offered == [b"1"] and conn.take() == b"12"
+    conn.on_body(b"3")  # nothing ahead: straight to the sink
+    assert offered == [b"1", b"3"] and conn.take() == b""
+
+
+async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_asgi() -> None:
+    """While the relay task's send of a buffered chunk waits, a newer chunk must not pass it."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from appliance.apis import CHAT
+    from appliance.gate import Vetted
+    from appliance.metrics import RequestMetrics
+    from appliance.relay import Relay
+    from appliance.usage import Meter
+
+    written: list[bytes] = []
+    transport = SimpleNamespace(is_closing=lambda: False, write=written.append)
+    cycle = SimpleNamespace(disconnected=False, flow=SimpleNamespace(write_paused=False),
+                            response_complete=False, chunked_encoding=True, transport=transport)
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
+    relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
+    relay._route, relay._direct = "/v1/chat/completions", DirectBody(cycle)
+
+    class Reply:
+        status, headers = 200, []  # type: ignore[var-annotated]
+        sink = None
+
+        def forward(self, sink):  # type: ignore[no-untyped-def]
+            self.sink = sink
+
+        async def chunks(self):  # type: ignore[no-untyped-def]
+            yield b"data: first\n\n"  # the one the client could not take at once
+
+    reply, while_sending = Reply(), []
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        if message["type"] == "http.response.body":
+            while_sending.append(reply.sink(b"data: second\n\n"))  # type: ignore[misc]
+
+    last = await relay._stream(send, reply, SimpleNamespace(disarm=lambda: None),  # type: ignore[arg-type]
+                               Meter(False))
+    assert while_sending == [False] and written == []
+    assert last == {"type": "http.response.body", "body": b"", "more_body": False}
