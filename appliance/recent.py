@@ -3,7 +3,7 @@
 Nothing here runs per request or per chunk. Once per `status.sample_interval_s` a sample reads
 cumulative counters that exist anyway: the engine's own generated-token counter (the reading
 the progress monitor takes each second while there is work), the appliance's
-time-to-first-token histogram, and the in-flight count. Rates and means over
+time-to-first-token totals over every route, and the in-flight count. Rates and means over
 `status.rate_window_s` are derived from differences of those counters only when someone asks
 (`series()`), so a page nobody watches costs one sample a second.
 """

@@ -151,9 +151,7 @@ class ProgressMonitor:
         self._due = now + self._sup.progress_interval_s
         demand = self._demand() if self._demand is not None else None
         if self._still_idle(demand):
-            self._last_progress = now  # idle is not stalled
-            self._sample(now, self._activity(worker, False))
-            return await self._idle_canary(now, worker)
+            return await self._idle(now, worker)
         stats = await self._prober.engine_stats()
         if stats is None:
             self._sample(now, self._activity(worker, True))
@@ -161,9 +159,8 @@ class ProgressMonitor:
         self.stats = stats
         self._admitted_at_reading = demand[1] if demand is not None and not stats.busy else None
         if not stats.busy:
-            self._counters, self._last_progress = stats.progress, now
-            self._sample(now, self._activity(worker, False))
-            return await self._idle_canary(now, worker)
+            self._counters = stats.progress
+            return await self._idle(now, worker)
         if stats.progress != self._counters:
             stretch = now - self._last_progress
             if self._counters is not None:
@@ -175,6 +172,11 @@ class ProgressMonitor:
             return None
         self._sample(now, self._activity(worker, True))
         return self._verdict(now)
+
+    async def _idle(self, now: float, worker: Worker) -> ExitCause | None:
+        self._last_progress = now  # idle is not stalled
+        self._sample(now, self._activity(worker, False))
+        return await self._idle_canary(now, worker)
 
     def _still_idle(self, demand: tuple[int, int] | None) -> bool:
         """The last reading found the engine idle and no request was admitted since."""
