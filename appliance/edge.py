@@ -13,6 +13,8 @@ The request body is read by the route, within server.body_timeout_s.
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -24,33 +26,71 @@ from appliance.settings import ServerSettings
 
 log = structlog.get_logger("appliance.edge")
 
-DIRECT_BODY = "chat-appliance.direct_body"  # the scope extension that carries a DirectBody
+CLIENT_LINK = "chat-appliance.client_link"  # the scope extension that carries a ClientLink
 
 
-class DirectBody:
-    """A streamed answer's body written straight to the client's connection, from the
-    worker connection's own callback: no task switch and no ASGI send per event.
+class ClientLink:
+    """One request's link to its client's connection, for the relay: it writes a streamed
+    answer's body straight to the connection, and it says when the client is gone.
 
-    Only for a response uvicorn already started in chunked encoding (a relayed stream, whose
-    head went through ASGI as usual, so middleware saw its status) and only while the client
-    keeps up: `write` says False when the client's socket is paused or gone, and the caller
-    then sends the rest through ASGI, which waits for the client as uvicorn does. The last
-    message (the chunked terminator) always goes through ASGI, which completes the cycle."""
+    Writing: from the worker connection's own callback, no task switch and no ASGI send per
+    event. Only for a response uvicorn already started in chunked encoding (a relayed stream,
+    whose head went through ASGI as usual, so middleware saw its status) and only while the
+    client keeps up: `write` says False when the client's socket is paused or gone, and the
+    caller then sends the rest through ASGI, which waits for the client as uvicorn does. The
+    last message (the chunked terminator) always goes through ASGI, which completes the cycle.
 
-    __slots__ = ("_cycle",)
+    Gone: `on_gone` calls back from the connection's own `connection_lost`, where ASGI would
+    need a task per request parked in `receive()` to hear it, and cancelling that task at the
+    end of every request leaves reference cycles for the collector (a cancelled future's
+    exception holds its frames).
+
+    The link holds uvicorn's cycle weakly: the cycle's scope holds the link."""
+
+    __slots__ = ("_cycle", "_gone")
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+        self._cycle: Callable[[], Any] = weakref.ref(cycle)  # uvicorn's RequestResponseCycle
+        self._gone: Callable[[], None] | None = None
 
     def write(self, body: bytes) -> bool:
-        cycle = self._cycle
+        cycle = self._cycle()
         # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
         # hears of it on a later turn of the loop, and a closed transport refuses writes.
-        if (cycle.disconnected or cycle.flow.write_paused or cycle.response_complete
-                or not cycle.chunked_encoding or cycle.transport.is_closing()):
+        if (cycle is None or cycle.disconnected or cycle.flow.write_paused
+                or cycle.response_complete or not cycle.chunked_encoding
+                or cycle.transport.is_closing()):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
+
+    def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once if the client goes before its answer is complete (at once if
+        it already has); the returned function cancels that."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
+            callback()
+            return _nothing
+        self._gone = callback
+
+        def cancel() -> None:
+            self._gone = None
+
+        return cancel
+
+    def complete(self) -> bool:
+        cycle = self._cycle()
+        return cycle is None or cycle.response_complete
+
+    def lost(self) -> None:
+        """The connection is gone (called by the edge protocol)."""
+        callback, self._gone = self._gone, None
+        if callback is not None and not self.complete():
+            callback()
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Refused(Exception):
@@ -80,6 +120,7 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             self._head_bytes = 0
             self._header_count = 0
             self._in_head = True  # between requests or inside a request's head
+            self._links: list[ClientLink] = []  # of requests whose answer is not complete
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -94,6 +135,9 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             self._disarm_head_timer()
             super().connection_lost(exc)
             metrics.open.set(len(self.connections))
+            links, self._links = self._links, []
+            for link in links:
+                link.lost()
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
@@ -133,11 +177,14 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             super().on_headers_complete()
             if self.cycle is not None and self.cycle.scope is self.scope:
                 extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
-                extensions[DIRECT_BODY] = DirectBody(self.cycle)
+                link = ClientLink(self.cycle)
+                extensions[CLIENT_LINK] = link
+                self._links.append(link)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)
             self._in_head = True
+            self._links = [link for link in self._links if not link.complete()]
 
         def _arm_head_timer(self) -> None:
             self._disarm_head_timer()

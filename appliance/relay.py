@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,7 +19,7 @@ import structlog
 from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission import Admission
-from appliance.edge import DIRECT_BODY, DirectBody
+from appliance.edge import CLIENT_LINK, ClientLink
 from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
 from appliance.gate import Gate, Vetted
@@ -47,27 +48,35 @@ class RelayDeps:
 
 
 class Watch:
-    """Cancels the owning task when the client disconnects or the engine is lost; says which."""
+    """Cancels the owning task when the client disconnects or the engine is lost; says which.
 
-    def __init__(self, receive: Receive, engine: EngineView) -> None:
+    The client's connection tells through its ClientLink where the server gives one; under
+    any other ASGI server a task waits in `receive()` for the disconnect."""
+
+    def __init__(self, receive: Receive, engine: EngineView, link: ClientLink | None) -> None:
         self._receive = receive
         self._engine = engine
+        self._link = link
         self.reason: str | None = None
         self._armed = False
+        self._forget_client: Callable[[], object] = _nothing
 
     def __enter__(self) -> Watch:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
         self._armed = True
-        self._listener = asyncio.ensure_future(self._listen())
-        self._unsubscribe = self._engine.on_lost(lambda: self._fire("engine_lost"))
+        if self._link is not None:
+            self._forget_client = self._link.on_gone(self._client_gone)
+        else:
+            self._forget_client = asyncio.ensure_future(self._listen()).cancel
+        self._forget_engine = self._engine.on_lost(self._engine_lost)
         return self
 
     def __exit__(self, *_: object) -> None:
         self.disarm()
-        self._listener.cancel()
-        self._unsubscribe()
+        self._forget_client()
+        self._forget_engine()
 
     def disarm(self) -> None:
         """No cancellation from here on: the answer is complete or being completed."""
@@ -76,12 +85,22 @@ class Watch:
     async def _listen(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
+        self._client_gone()
+
+    def _client_gone(self) -> None:
         self._fire("client_disconnected")
+
+    def _engine_lost(self) -> None:
+        self._fire("engine_lost")
 
     def _fire(self, reason: str) -> None:
         if self._armed and self.reason is None:
             self.reason = reason
             self._task.cancel()
+
+
+def _nothing() -> None:
+    pass
 
 
 class Relay:
@@ -102,9 +121,9 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
-        direct = cast(dict[str, Any], scope.get("extensions") or {}).get(DIRECT_BODY)
-        self._direct = direct if isinstance(direct, DirectBody) else None
-        watch = Watch(receive, deps.engine)
+        link = cast(dict[str, Any], scope.get("extensions") or {}).get(CLIENT_LINK)
+        self._link = link if isinstance(link, ClientLink) else None
+        watch = Watch(receive, deps.engine, self._link)
         vetted = self._vetted
         # A route the engine does no generation work for takes no slot and is not metered.
         slot: contextlib.AbstractAsyncContextManager[Meter] = (
@@ -154,7 +173,7 @@ class Relay:
     async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> Message:
         self._first_at = time.perf_counter()
         await self._head(send, reply)
-        if self._direct is not None and not meter.enabled:
+        if self._link is not None and not meter.enabled:
             # Each event straight from the worker's connection to the client's while the
             # client keeps up; what it cannot take yet comes through the loop below.
             reply.forward(self._write_direct)
@@ -169,8 +188,8 @@ class Relay:
         return {"type": "http.response.body", "body": b"", "more_body": False}
 
     def _write_direct(self, chunk: bytes) -> bool:
-        assert self._direct is not None
-        if self._sending or not self._direct.write(chunk):
+        assert self._link is not None
+        if self._sending or not self._link.write(chunk):
             return False
         self._relayed(chunk)
         return True

@@ -1,5 +1,6 @@
-"""A relayed stream's events go from the worker's connection straight to the client's while
-the client keeps up, and through ASGI while it does not: complete and in order either way."""
+"""The client link: a relayed stream's events go from the worker's connection straight to the
+client's while the client keeps up, and through ASGI while it does not, complete and in order
+either way; and the connection itself says when the client is gone."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import socket
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httptools
 import pytest
 
-from appliance.edge import DirectBody
+from appliance.edge import ClientLink
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio
@@ -24,14 +26,26 @@ CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
 def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[bool]]:
     """What each direct write said: True written, False left to ASGI (client not keeping up)."""
     seen: Counter[bool] = Counter()
-    write = DirectBody.write
+    write = ClientLink.write
 
-    def counted(self: DirectBody, body: bytes) -> bool:
+    def counted(self: ClientLink, body: bytes) -> bool:
         seen[result := write(self, body)] += 1
         return result
 
-    monkeypatch.setattr(DirectBody, "write", counted)
+    monkeypatch.setattr(ClientLink, "write", counted)
     yield seen
+
+
+class Cycle:
+    """What a link reads of uvicorn's request-response cycle."""
+
+    def __init__(self) -> None:
+        self.disconnected = self.response_complete = self.closing = False
+        self.chunked_encoding = True
+        self.flow = SimpleNamespace(write_paused=False)
+        self.written: list[bytes] = []
+        self.transport = SimpleNamespace(is_closing=lambda: self.closing,
+                                         write=self.written.append)
 
 
 def sequence(body: bytes) -> list[int]:
@@ -91,17 +105,11 @@ async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> 
 
 def test_nothing_is_written_to_a_connection_being_closed() -> None:
     """Closing, but uvicorn not yet told (it hears of it a turn of the loop later)."""
-    from types import SimpleNamespace
-
-    written: list[bytes] = []
-    transport = SimpleNamespace(is_closing=lambda: closing, write=written.append)
-    cycle = SimpleNamespace(disconnected=False, flow=SimpleNamespace(write_paused=False),
-                            response_complete=False, chunked_encoding=True, transport=transport)
-    closing = False
-    direct = DirectBody(cycle)
-    assert direct.write(b"data: 1\n\n") and written == [b"9\r\ndata: 1\n\n\r\n"]
-    closing = True
-    assert not direct.write(b"data: 2\n\n") and len(written) == 1
+    cycle = Cycle()
+    link = ClientLink(cycle)
+    assert link.write(b"data: 1\n\n") and cycle.written == [b"9\r\ndata: 1\n\n\r\n"]
+    cycle.closing = True
+    assert not link.write(b"data: 2\n\n") and len(cycle.written) == 1
 
 
 def test_a_chunk_the_sink_refused_keeps_its_place_ahead_of_later_ones() -> None:
@@ -120,8 +128,6 @@ def test_a_chunk_the_sink_refused_keeps_its_place_ahead_of_later_ones() -> None:
 
 async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_asgi() -> None:
     """While the relay task's send of a buffered chunk waits, a newer chunk must not pass it."""
-    from types import SimpleNamespace
-
     from prometheus_client import CollectorRegistry
 
     from appliance.apis import CHAT
@@ -130,13 +136,10 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     from appliance.relay import Relay
     from appliance.usage import Meter
 
-    written: list[bytes] = []
-    transport = SimpleNamespace(is_closing=lambda: False, write=written.append)
-    cycle = SimpleNamespace(disconnected=False, flow=SimpleNamespace(write_paused=False),
-                            response_complete=False, chunked_encoding=True, transport=transport)
+    cycle = Cycle()
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
-    relay._route, relay._direct = "/v1/chat/completions", DirectBody(cycle)
+    relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
 
     class Reply:
         status, headers = 200, []  # type: ignore[var-annotated]
@@ -156,5 +159,105 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
 
     last = await relay._stream(send, reply, SimpleNamespace(disarm=lambda: None),  # type: ignore[arg-type]
                                Meter(False))
-    assert while_sending == [False] and written == []
+    assert while_sending == [False] and cycle.written == []
     assert last == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def test_the_link_says_once_that_the_client_went_before_its_answer_was_complete() -> None:
+    cycle, calls = Cycle(), []
+    link = ClientLink(cycle)
+    link.on_gone(lambda: calls.append("gone"))
+    link.lost()
+    link.lost()
+    assert calls == ["gone"]
+
+
+def test_the_link_says_nothing_once_the_answer_is_complete_or_the_watch_left() -> None:
+    cycle, calls = Cycle(), []
+    link = ClientLink(cycle)
+    forget = link.on_gone(lambda: calls.append("left"))
+    forget()
+    link.lost()
+    link.on_gone(lambda: calls.append("complete"))
+    cycle.response_complete = True
+    link.lost()
+    assert calls == []
+
+
+def test_a_client_already_gone_is_said_at_once() -> None:
+    cycle, calls = Cycle(), []
+    cycle.disconnected = True
+    ClientLink(cycle).on_gone(lambda: calls.append("gone"))
+    assert calls == ["gone"]
+
+
+def test_the_link_does_not_keep_the_request_alive() -> None:
+    """uvicorn's cycle holds the scope, the scope holds the link: the link must hold the cycle
+    weakly, or every request would be a reference cycle left for the collector."""
+    import gc
+    import weakref
+
+    class Bare:  # uvicorn's cycle, as far as references go
+        scope: dict[str, object]
+
+    cycle = Bare()
+    cycle.scope = {"extensions": {"link": ClientLink(cycle)}}
+    gone = weakref.ref(cycle)
+    gc.disable()
+    try:
+        del cycle
+        assert gone() is None  # freed by its reference count, no collection needed
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("linked", [True, False])
+async def test_the_watch_cancels_its_task_when_the_client_goes(linked: bool) -> None:
+    """Through the link where the server gives one, else by a task waiting in receive()."""
+    from appliance.relay import Watch
+
+    cycle, said = Cycle(), asyncio.Event()
+
+    async def receive() -> dict[str, object]:
+        await said.wait()
+        return {"type": "http.disconnect"}
+
+    engine = SimpleNamespace(on_lost=lambda _: lambda: None)
+    link = ClientLink(cycle) if linked else None
+    watch = Watch(receive, engine, link)  # type: ignore[arg-type]
+
+    async def owner() -> None:
+        with watch:
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(owner())
+    await asyncio.sleep(0.01)
+    if link is not None:
+        link.lost()
+    said.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 1)
+    assert watch.reason == "client_disconnected"
+
+
+async def test_cancelling_requests_leaves_no_garbage_for_the_collector() -> None:
+    """A request served from start to end frees what it made by reference counting alone
+    (a cancelled listener task, or a link holding its cycle, left cycles every request)."""
+    import gc
+
+    async with upstream(tokens=2) as (_, url), appliance(FakeEngine(url)) as client:
+        for body in (CHAT, CHAT | {"stream": True}):  # warm: imports, caches, the connection
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for body in (CHAT, CHAT | {"stream": True}) * 5:
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            gc.collect()
+            kinds = Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert kinds["RequestResponseCycle"] == 0 and kinds["Watch"] == 0, kinds
