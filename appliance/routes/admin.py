@@ -10,13 +10,14 @@ import ipaddress
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Response, post
+from litestar import Response
 from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
 from litestar.handlers.base import BaseRouteHandler
 
 from appliance.clients import Roster
 from appliance.errors import BadRequest, Forbidden
+from appliance.routes.handlers import post
 from appliance.settings import ConfigError, Settings, load_settings
 
 RELOAD_PATH = "/admin/reload"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from litestar import Request, Response, get, post
+from litestar import Request, Response
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath
 from litestar.types import ASGIApp
@@ -17,11 +17,13 @@ from litestar.types import ASGIApp
 from appliance import policy
 from appliance.apis import BATCH_CHAT, CHAT, COMPLETION, GenerationApi
 from appliance.context import REQUEST_ID
+from appliance.edge import client_link
 from appliance.engine import require_ready
 from appliance.errors import BadRequest, NotFound, RequestTimeout, engine_unavailable
 from appliance.gate import Vetted
 from appliance.relay import Relay, RelayDeps
 from appliance.routes.guards import client_of
+from appliance.routes.handlers import get, post
 from appliance.settings import ServerSettings
 from appliance.upstream import Upstream
 
@@ -115,6 +117,9 @@ async def read_json_body(request: Request[Any, Any, Any], timeout_s: float) -> b
     if media_type != "application/json":
         raise BadRequest("Unsupported Media Type: only 'application/json' is accepted.",
                          code="unsupported_media_type")
+    link = client_link(request.scope)
+    if link is not None and link.has_body():
+        return await request.body()  # nothing left to wait for: no deadline to arm
     try:
         async with asyncio.timeout(timeout_s):
             return await request.body()

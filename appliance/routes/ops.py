@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Response, get
+from litestar import Response
 from litestar.handlers import HTTPRouteHandler
 
 from appliance.admission import Admission
 from appliance.engine import EngineState, EngineView
 from appliance.metrics import RequestMetrics
+from appliance.routes.handlers import get
 
 QUIET = {"quiet": True}  # polled: an access line each would drown the log
 

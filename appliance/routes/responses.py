@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from litestar import Request, get, post
+from litestar import Request
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath, FromQuery
 from litestar.types import ASGIApp
@@ -16,6 +16,7 @@ from appliance.engine import require_ready
 from appliance.errors import BadRequest
 from appliance.gate import Vetted
 from appliance.response_ids import ResponseIds
+from appliance.routes.handlers import get, post
 from appliance.routes.openai import RouteDeps, generation, relay_for
 
 SHAPE = {"shape": RESPONSES_CREATE.shape}

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from litestar import Response, get
+from litestar import Response
 from litestar.handlers import HTTPRouteHandler
 
+from appliance.routes.handlers import get
 from appliance.status import StatusSources, status_document
 
 QUIET = {"quiet": True}  # the page polls: an access line each would drown the log

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Request, get
+from litestar import Request
 from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
@@ -15,6 +15,7 @@ from appliance.apis import DETOKENIZE, TOKENIZE, TOKENIZER_INFO, VERSION, Genera
 from appliance.engine import require_ready
 from appliance.errors import ApiError, NotFound
 from appliance.gate import Vetted
+from appliance.routes.handlers import get
 from appliance.routes.openai import RouteDeps, generation, relay_for
 
 

@@ -96,3 +96,27 @@ async def test_the_right_key_passes_the_guard_on_every_route() -> None:
     app = app_with(protect_ops_routes=True)
     for method, path in every_route(app):
         assert (await call(app, method, path, KEY)).status_code != 401, (method, path)
+
+
+async def test_every_route_gives_its_guards_the_handler_itself_not_a_copy_per_request() -> None:
+    """Litestar's own route classes copy the handler for each guard on every request (its
+    automatic OPTIONS answers aside: preflights are rare)."""
+    from litestar.handlers import HTTPRouteHandler
+
+    from appliance.routes.handlers import Handler
+
+    app = app_with(protect_ops_routes=True)
+    handlers = [h for route in app.routes for h in getattr(route, "route_handlers", [])
+                if isinstance(h, HTTPRouteHandler) and "OPTIONS" not in h.http_methods]
+    assert handlers and all(isinstance(h, Handler) for h in handlers), [
+        h for h in handlers if not isinstance(h, Handler)]
+    seen = []
+    handler = next(h for h in handlers if "/v1/chat/completions" in h.paths)
+
+    async def guard(_: object, given: object) -> None:
+        seen.append(given)
+
+    handler.guards = [guard]
+    handler._resolved_guards = [guard]  # what resolve_guards() returns once resolved
+    await handler.authorize_connection(object())  # type: ignore[arg-type]
+    assert seen == [handler]
