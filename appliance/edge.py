@@ -78,6 +78,11 @@ class ClientLink:
 
         return cancel
 
+    def has_body(self) -> bool:
+        """The whole request body has arrived: reading it cannot wait on the client."""
+        cycle = self._cycle()
+        return cycle is not None and not cycle.more_body
+
     def complete(self) -> bool:
         cycle = self._cycle()
         return cycle is None or cycle.response_complete
@@ -87,6 +92,12 @@ class ClientLink:
         callback, self._gone = self._gone, None
         if callback is not None and not self.complete():
             callback()
+
+
+def client_link(scope: Any) -> ClientLink | None:
+    """The request's link to its client, where this edge serves it (not under other servers)."""
+    link = (scope.get("extensions") or {}).get(CLIENT_LINK)
+    return link if isinstance(link, ClientLink) else None
 
 
 def _nothing() -> None:

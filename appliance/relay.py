@@ -13,13 +13,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
 
 import structlog
 from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission import Admission
-from appliance.edge import CLIENT_LINK, ClientLink
+from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
 from appliance.gate import Gate, Vetted
@@ -121,8 +120,7 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
-        link = cast(dict[str, Any], scope.get("extensions") or {}).get(CLIENT_LINK)
-        self._link = link if isinstance(link, ClientLink) else None
+        self._link = client_link(scope)
         watch = Watch(receive, deps.engine, self._link)
         vetted = self._vetted
         # A route the engine does no generation work for takes no slot and is not metered.
