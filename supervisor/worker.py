@@ -68,6 +68,10 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
     # The gate counts a Responses prompt exactly with the worker's /v1/responses/render, one of
     # vLLM's scale-out routes; they stay on loopback, and the API never exposes them.
     args.append("--enable-scale-out")
+    # The appliance writes every request's access line, with its request id. vLLM's own would
+    # say it again, and say every probe's /health and /metrics read besides: each one a line
+    # the worker formats and the supervisor reads off the pipe and logs again.
+    args.append("--disable-uvicorn-access-log")
     if engine.tokenizer_info:
         args.append("--enable-tokenizer-info-endpoint")  # read-only: the chat template, specials
     return args + list(engine.extra_args)

@@ -94,6 +94,7 @@ def test_command_binds_loopback_and_uses_the_cpu_recipe() -> None:
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert argv[argv.index("--allowed-media-domains") + 1] == "none.invalid"
     assert "--enable-scale-out" in argv  # the render route the Responses budget is counted with
+    assert "--disable-uvicorn-access-log" in argv  # the appliance writes the access lines
 
 
 def test_exit_descriptions_name_the_signal_and_a_likely_cause() -> None:
