@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +21,8 @@ METRICS = b'vllm:num_requests_running{engine="0"} 1.0\nvllm:generation_tokens_to
 class Worker(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's uvicorn
     drop_idle = False  # close each connection after answering, without saying so
+    chunked = False  # answer in chunked encoding, a few bytes at a time
+    stall_s = 0.0  # wait this long before answering
     connections = 0
 
     def setup(self) -> None:
@@ -35,10 +38,20 @@ class Worker(http.server.BaseHTTPRequestHandler):
         self._answer(200, b'{"choices": [{"text": "!"}]}')
 
     def _answer(self, status: int, body: bytes) -> None:
+        time.sleep(self.stall_s)
         self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for start in range(0, len(body), 7):
+                piece = body[start:start + 7]
+                self.wfile.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         self.close_connection = self.drop_idle
 
     def log_message(self, *_: object) -> None:
@@ -47,7 +60,7 @@ class Worker(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def worker() -> Iterator[tuple[http.server.ThreadingHTTPServer, str]]:
-    Worker.connections, Worker.drop_idle = 0, False
+    Worker.connections, Worker.drop_idle, Worker.chunked, Worker.stall_s = 0, False, False, 0.0
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Worker)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -93,5 +106,31 @@ async def test_a_worker_that_is_gone_fails_the_probe_without_raising(worker) -> 
         assert not await prober.healthy()
         assert await prober.engine_stats() is None
         assert not await prober.canary(1)
+    finally:
+        await prober.aclose()
+
+
+async def test_a_chunked_answer_in_small_pieces_is_read_whole(worker) -> None:  # type: ignore[no-untyped-def]
+    _, url = worker
+    Worker.chunked = True
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        stats = await prober.engine_stats()
+        assert stats is not None and stats.running == 1.0 and stats.generation_tokens == 42.0
+        assert await prober.healthy() and Worker.connections == 1
+    finally:
+        await prober.aclose()
+
+
+async def test_a_worker_slower_than_the_timeout_fails_the_probe_and_its_connection_goes(  # type: ignore[no-untyped-def]
+        worker) -> None:
+    _, url = worker
+    prober = HttpProber(url, "m", timeout_s=0.3)
+    try:
+        Worker.stall_s = 1.0
+        assert not await prober.healthy()
+        Worker.stall_s = 0.0
+        assert await prober.healthy()  # on a fresh connection: the late answer is not read
+        assert Worker.connections == 2
     finally:
         await prober.aclose()
