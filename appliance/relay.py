@@ -175,15 +175,26 @@ class Relay:
             # Each event straight from the worker's connection to the client's while the
             # client keeps up; what it cannot take yet comes through the loop below.
             reply.forward(self._write_direct)
+        held = b""  # once the whole answer is here, the last of it goes out with the end
         async for chunk in meter.tap(reply.chunks(), strip=self._vetted.usage_added):
             self._relayed(chunk)
-            self._sending = True
-            try:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finally:
-                self._sending = False
+            if held:
+                await self._send_chunk(send, held)
+                held = b""
+            if reply.complete:  # nothing is left to wait for: one write, not two
+                watch.disarm()  # the engine owes nothing more; what is here is delivered
+                held = chunk
+                continue
+            await self._send_chunk(send, chunk)
         watch.disarm()
-        return {"type": "http.response.body", "body": b"", "more_body": False}
+        return {"type": "http.response.body", "body": held, "more_body": False}
+
+    async def _send_chunk(self, send: Send, chunk: bytes) -> None:
+        self._sending = True
+        try:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            self._sending = False
 
     def _write_direct(self, chunk: bytes) -> bool:
         assert self._link is not None

@@ -66,9 +66,10 @@ class _Connection(asyncio.Protocol):
         self.failure: _Lost | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
-        # Takes a body chunk as it is parsed, or says False to have it buffered for the
-        # reader: a stream relayed without a task switch per event (see Reply.forward).
+        # Takes what each read carried of the body, or says False to have it buffered for
+        # the reader: a stream relayed without a task switch per event (see Reply.forward).
         self.sink: Callable[[bytes], bool] | None = None
+        self._for_sink: list[bytes] = []  # body parsed from the current read, for the sink
         self._last_byte = 0.0  # loop time of the last byte; the read deadline counts from it
         self._disarm()
 
@@ -87,6 +88,9 @@ class _Connection(asyncio.Protocol):
             self._fail(f"unparsable answer: {exc}")
             if self.transport is not None:
                 self.transport.close()
+        finally:
+            if self._for_sink:
+                self._hand_over()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -105,8 +109,21 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.sink is not None and not self.chunks and self.sink(body):
-            return  # nothing buffered ahead of it: order is kept
+        if self.sink is not None and not self.chunks:
+            self._for_sink.append(body)  # nothing buffered ahead of it: order is kept
+            return
+        self._buffer(body)
+
+    def _hand_over(self) -> None:
+        """What one read carried goes to the sink in one piece (one write to the client however
+        many events it held). If the answer ended in the same read, it is left to the reader
+        instead, which sends it with the end of the response: one write again."""
+        body = b"".join(self._for_sink) if len(self._for_sink) > 1 else self._for_sink[0]
+        self._for_sink.clear()
+        if self.complete or self.sink is None or not self.sink(body):
+            self._buffer(body)
+
+    def _buffer(self, body: bytes) -> None:
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and self.transport is not None and not self._paused:
@@ -192,6 +209,11 @@ class Reply:
     """The worker's answer once its head arrived: status, headers, then the body on demand."""
 
     __slots__ = ("_conn", "headers", "status")
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer has arrived: what chunks() still yields is already here."""
+        return self._conn.complete
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn

@@ -112,18 +112,81 @@ def test_nothing_is_written_to_a_connection_being_closed() -> None:
     assert not link.write(b"data: 2\n\n") and len(cycle.written) == 1
 
 
-def test_a_chunk_the_sink_refused_keeps_its_place_ahead_of_later_ones() -> None:
+def answering(sink_answers: list[bool]) -> tuple[object, list[bytes]]:
+    """A worker connection mid-answer (head parsed) whose sink says `sink_answers` in turn."""
     from appliance.upstream import _Connection
 
-    offered: list[bytes] = []
-    answers = iter([False, True])
-    conn = _Connection()
+    conn, offered = _Connection(), []
+    conn.transport = SimpleNamespace(pause_reading=lambda: None)  # type: ignore[assignment]
+    conn._loop = SimpleNamespace(time=lambda: 0.0)  # type: ignore[assignment]
+    conn.data_received(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    answers = iter(sink_answers)
     conn.sink = lambda chunk: offered.append(chunk) or next(answers)
-    conn.on_body(b"1")  # refused: buffered for the relay task
-    conn.on_body(b"2")  # something is buffered ahead of it: not offered at all
-    assert offered == [b"1"] and conn.take() == b"12"
-    conn.on_body(b"3")  # nothing ahead: straight to the sink
-    assert offered == [b"1", b"3"] and conn.take() == b""
+    return conn, offered
+
+
+def chunk(body: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+def test_a_chunk_the_sink_refused_keeps_its_place_ahead_of_later_ones() -> None:
+    conn, offered = answering([False, True])
+    conn.data_received(chunk(b"1"))  # type: ignore[attr-defined]  # refused: buffered
+    conn.data_received(chunk(b"2"))  # type: ignore[attr-defined]  # behind it: not offered
+    assert offered == [b"1"] and conn.take() == b"12"  # type: ignore[attr-defined]
+    conn.data_received(chunk(b"3"))  # type: ignore[attr-defined]  # nothing ahead: to the sink
+    assert offered == [b"1", b"3"] and conn.take() == b""  # type: ignore[attr-defined]
+
+
+def test_what_one_read_carries_goes_to_the_sink_in_one_piece() -> None:
+    """Three events in one read: one write to the client, not three."""
+    conn, offered = answering([True])
+    conn.data_received(chunk(b"data: 1\n\n") + chunk(b"data: 2\n\n")  # type: ignore[attr-defined]
+                       + chunk(b"data: 3\n\n"))
+    assert offered == [b"data: 1\n\ndata: 2\n\ndata: 3\n\n"]
+
+
+def test_the_end_of_an_answer_is_left_to_go_out_with_the_end_of_the_response() -> None:
+    conn, offered = answering([])
+    conn.data_received(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")  # type: ignore[attr-defined]
+    assert offered == [] and conn.complete  # type: ignore[attr-defined]
+    assert conn.take() == b"data: [DONE]\n\n"  # type: ignore[attr-defined]
+
+
+async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
+    """Once the whole answer is in, its last chunk rides on the final ASGI message, which
+    uvicorn writes with the chunked terminator: one write where there were two."""
+    from prometheus_client import CollectorRegistry
+
+    from appliance.apis import CHAT
+    from appliance.gate import Vetted
+    from appliance.metrics import RequestMetrics
+    from appliance.relay import Relay
+    from appliance.usage import Meter
+
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
+    relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
+    relay._route, relay._link = "/v1/chat/completions", None
+
+    class Reply:
+        status, headers, complete = 200, [], False  # type: ignore[var-annotated]
+
+        async def chunks(self):  # type: ignore[no-untyped-def]
+            yield b"data: 1\n\n"
+            self.complete = True
+            yield b"data: [DONE]\n\n"
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    disarmed: list[bool] = []
+    last = await relay._stream(send, Reply(), SimpleNamespace(  # type: ignore[arg-type]
+        disarm=lambda: disarmed.append(True)), Meter(False))
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert bodies == [b"data: 1\n\n"] and disarmed
+    assert last == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
 
 
 async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_asgi() -> None:
@@ -142,7 +205,7 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
 
     class Reply:
-        status, headers = 200, []  # type: ignore[var-annotated]
+        status, headers, complete = 200, [], False  # type: ignore[var-annotated]
         sink = None
 
         def forward(self, sink):  # type: ignore[no-untyped-def]
