@@ -210,15 +210,15 @@ class Reply:
 
     __slots__ = ("_conn", "headers", "status")
 
-    @property
-    def complete(self) -> bool:
-        """The whole answer has arrived: what chunks() still yields is already here."""
-        return self._conn.complete
-
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
         self.status = conn.status
         self.headers = [(k, v) for k, v in conn.headers if k not in _DROP]
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer has arrived: what chunks() still yields is already here."""
+        return self._conn.complete
 
     async def read(self) -> bytes:
         conn, parts = self._conn, []
@@ -229,8 +229,9 @@ class Reply:
         return b"".join(parts)
 
     def forward(self, sink: Callable[[bytes], bool]) -> None:
-        """From now on each chunk goes to `sink` as it is parsed, unless the sink says False
-        or chunks wait in the buffer; `chunks()` then yields only those, and ends as ever."""
+        """From now on what each read of the worker carries goes to `sink` in one piece, unless
+        the sink says False, chunks wait in the buffer, or the answer ended in that read;
+        `chunks()` then yields only those, and ends as ever."""
         self._conn.sink = sink
 
     async def chunks(self) -> AsyncIterator[bytes]:

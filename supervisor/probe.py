@@ -5,9 +5,9 @@ connections, so a stalled event loop (a huge body being parsed, a flood of clien
 when a verdict is read but never makes a healthy worker look dead.
 
 The client is a blocking socket and httptools' parser (the C one uvicorn uses): a probe is one
-small exchange with a known local server, paid every second or two. Measured against the CPU
-worker from the supervisor's process, CPU per probe: /health 0.34 ms with http.client, which
-parses a head with the email package; vLLM's 58 KB /metrics page 0.90 ms with http.client.
+small exchange with a known local server, paid every second or two. CPU per probe against the
+CPU worker, thread hop included: /health 0.21 ms (0.34 with http.client, which parses each
+head with the email package), vLLM's 58 KB /metrics page 0.73 ms (0.90).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def _read_answer(sock: socket.socket) -> tuple[int, bytes, bool]:
         try:
             data = sock.recv(_READ)
         except (ConnectionResetError, BrokenPipeError) as exc:
-            raise (exc if started else _Stale()) from exc
+            if started:
+                raise
+            raise _Stale() from exc
         if not data:
             if started:
                 raise ConnectionError("closed mid-answer")

@@ -276,7 +276,8 @@ def test_the_link_does_not_keep_the_request_alive() -> None:
 
 @pytest.mark.parametrize("linked", [True, False])
 async def test_the_watch_cancels_its_task_when_the_client_goes(linked: bool) -> None:
-    """Through the link where the server gives one, else by a task waiting in receive()."""
+    """Through the link where the server gives one (receive() then never says a thing),
+    else by a task waiting in receive()."""
     from appliance.relay import Watch
 
     cycle, said = Cycle(), asyncio.Event()
@@ -297,7 +298,8 @@ async def test_the_watch_cancels_its_task_when_the_client_goes(linked: bool) -> 
     await asyncio.sleep(0.01)
     if link is not None:
         link.lost()
-    said.set()
+    else:
+        said.set()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 1)
     assert watch.reason == "client_disconnected"
