@@ -21,7 +21,7 @@ class EngineState(enum.StrEnum):
 
 
 class EngineView(Protocol):
-    """The engine as the API sees it; implemented by supervisor.manager.EngineManager."""
+    """The engine as the API sees it; implemented by supervisor.engine.manager.EngineManager."""
 
     @property
     def state(self) -> EngineState: ...

@@ -95,7 +95,7 @@ def memory_mib(pid: int) -> dict[str, int]:
 
 def template_memory_mib(appliance: Appliance) -> dict[str, int]:
     for child in psutil.Process(appliance.proc.pid).children():
-        if any("engine_template.py" in arg for arg in child.cmdline()):
+        if any("engine_side.py" in arg for arg in child.cmdline()):
             return memory_mib(child.pid)
     return {}
 

@@ -33,7 +33,7 @@ import httpx
 
 from load.bench_stack import ROOT, Service, wait_http
 from load.fair_traffic import Sample, chat, under_flood
-from supervisor.engine_stats import parse_engine_stats
+from supervisor.engine.stats import parse_engine_stats
 from tests.net import free_port
 
 LOW, HIGH = 10, -10  # vLLM priorities: lower is served first

@@ -12,8 +12,8 @@ from prometheus_client.registry import Collector
 
 from appliance.engine import EngineState
 from appliance.metrics import LATENCY_BUCKETS
-from supervisor.engine_stats import EngineStats
-from supervisor.manager import EngineManager
+from supervisor.engine.manager import EngineManager
+from supervisor.engine.stats import EngineStats
 
 _COUNTERS = frozenset({"gpu_xid_events_total"})  # GPU readings that only ever grow
 

@@ -22,14 +22,14 @@ from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
 from appliance.settings import ConfigError, EngineSettings, Settings, load_settings
 from supervisor.collector import SupervisorCollector, restart_durations
-from supervisor.gpuwatch import build_gpu_watch
-from supervisor.launcher import build_launcher
-from supervisor.manager import EngineManager
+from supervisor.engine.launcher import build_launcher
+from supervisor.engine.manager import EngineManager
+from supervisor.engine.probe import HttpProber
+from supervisor.gpu.watch import build_gpu_watch
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor
-from supervisor.probe import HttpProber
 from supervisor.sdnotify import Notifier
 
 log = structlog.get_logger("supervisor.serve")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from supervisor.exits import ExitCause
-from supervisor.worker import Worker
+from supervisor.engine.exits import ExitCause
+from supervisor.engine.worker import Worker
 
 
 class Monitor(Protocol):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from supervisor.exits import ExitCause, ExitReason
-from supervisor.worker import Worker
+from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.engine.worker import Worker
 
 
 class GpuVerdicts(Protocol):

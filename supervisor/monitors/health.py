@@ -8,8 +8,8 @@ from typing import Protocol
 
 import structlog
 
-from supervisor.exits import ExitCause, ExitReason
-from supervisor.worker import Worker
+from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.engine.worker import Worker
 
 log = structlog.get_logger("supervisor.monitors.health")
 

@@ -30,9 +30,9 @@ import psutil
 import structlog
 
 from appliance.settings import SupervisorSettings
-from supervisor.engine_stats import EngineStats
-from supervisor.exits import ExitCause, ExitReason
-from supervisor.worker import Worker, session_members
+from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.engine.stats import EngineStats
+from supervisor.engine.worker import Worker, session_members
 
 log = structlog.get_logger("supervisor.monitors.progress")
 

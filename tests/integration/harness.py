@@ -17,7 +17,7 @@ import httpx
 import psutil
 
 from appliance.settings import default_engine_python, default_model
-from supervisor.worker import session_members
+from supervisor.engine.worker import session_members
 from tests.net import free_port
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine

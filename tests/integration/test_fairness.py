@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.engine_stats import EngineStats, parse_engine_stats
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance
 
 FLOOD_LIMIT = 2

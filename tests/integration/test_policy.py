@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from supervisor.engine_stats import parse_engine_stats
+from supervisor.engine.stats import parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance
 
 KEY = "sk-integration-test-key"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from supervisor.engine_stats import parse_engine_stats
+from supervisor.engine.stats import parse_engine_stats
 from tests.integration.browser import Page, chromium
 from tests.integration.harness import ENGINE_BOOT_S, Appliance
 from tests.metrics_text import samples

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from appliance.settings import GpuSettings
-from supervisor.gpu import GpuMonitor
+from supervisor.gpu.nvml import GpuMonitor
 from tests.monitoring_names import (
     ALERTS,
     GPU_ONLY,
@@ -24,7 +24,7 @@ from tests.monitoring_names import (
     dashboard_exprs,
     names_used,
 )
-from tests.unit.supervisor.test_gpu import FakeGpu
+from tests.unit.supervisor.gpu.test_nvml import FakeGpu
 
 # Grafana's own variables, replaced by something PromQL accepts before promtool parses a query.
 _GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__range": "1h", "$job": ".*", "$instance": ".*"}

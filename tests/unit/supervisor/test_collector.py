@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.engine import EngineState
 from supervisor.collector import SupervisorCollector
-from supervisor.engine_stats import EngineStats, parse_engine_stats
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 from tests.metrics_text import value
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.probe import HttpProber
+from supervisor.engine.probe import HttpProber
 from tests.net import free_port
 
 pytestmark = pytest.mark.anyio

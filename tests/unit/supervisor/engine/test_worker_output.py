@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from structlog.testing import capture_logs
 
-from supervisor.worker_output import MAX_LINES, WorkerOutput
+from supervisor.engine.worker_output import MAX_LINES, WorkerOutput
 
 TRACEBACK = """(APIServer pid=77) ERROR 11-29 10:00:00 [serving.py:1] Error in chat
 (APIServer pid=77) Traceback (most recent call last):

@@ -15,15 +15,15 @@ import pytest
 import structlog
 
 from appliance.settings import EngineSettings
-from supervisor.exits import describe_exit
-from supervisor.serve import prepare_cache_dir
-from supervisor.worker import (
+from supervisor.engine.exits import describe_exit
+from supervisor.engine.worker import (
     ProcessLauncher,
     build_command,
     build_env,
     port_released,
     session_members,
 )
+from supervisor.serve import prepare_cache_dir
 
 pytestmark = pytest.mark.anyio
 

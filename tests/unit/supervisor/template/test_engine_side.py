@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engine_template import Start, open_files, validate
+from supervisor.template.engine_side import Start, open_files, validate
 
 
 @pytest.mark.parametrize(("argv", "fds", "refusal"), [

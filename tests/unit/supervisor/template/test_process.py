@@ -18,9 +18,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from appliance.settings import EngineSettings
-from supervisor.launcher import TemplateLauncher, build_launcher
-from supervisor.template import EXIT_REPORT_GRACE_S, EXIT_UNKNOWN, ForkedWorker
-from supervisor.worker import ProcessLauncher, SessionWorker, WorkerProcess, session_members
+from supervisor.engine.launcher import TemplateLauncher, build_launcher
+from supervisor.engine.worker import ProcessLauncher, SessionWorker, WorkerProcess, session_members
+from supervisor.template.process import EXIT_REPORT_GRACE_S, EXIT_UNKNOWN, ForkedWorker
 
 pytestmark = pytest.mark.anyio
 

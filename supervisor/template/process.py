@@ -1,9 +1,9 @@
 """The worker template's process, seen from the supervisor, and the workers it forks.
 
-The template (supervisor/engine_template.py, run by path in the engine venv) imports vLLM once
+The template (supervisor/template/engine_side.py, run by path in the engine venv) imports vLLM once
 and forks each worker on request; a forked worker leads its own session like a spawned one and
 is supervised the same way (SessionWorker): its exit comes from the template's report, its stop
-signals its process group. When to use, replace or give up a template is supervisor/launcher.py's.
+signals its process group. When to use, replace or give up a template is supervisor/engine/launcher.py's.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 
 import structlog
 
-from supervisor.worker import SessionWorker, StopReport, pump_lines
+from supervisor.engine.worker import SessionWorker, StopReport, pump_lines
 
-log = structlog.get_logger("supervisor.template")
+log = structlog.get_logger("supervisor.template.process")
 
-TEMPLATE_SCRIPT = Path(__file__).with_name("engine_template.py")
+TEMPLATE_SCRIPT = Path(__file__).with_name("engine_side.py")
 # What vLLM's API server imports before it serves: the template fails without these.
 API_PRELOADS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.v1.engine.async_llm",
                 "vllm.v1.engine.core")

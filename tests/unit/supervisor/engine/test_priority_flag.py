@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from appliance.settings import Settings
+from supervisor.engine.worker import build_command
 from supervisor.serve import worker_settings
-from supervisor.worker import build_command
 
 FLAG = ["--scheduling-policy", "priority"]
 

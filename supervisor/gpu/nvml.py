@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from appliance.settings import GpuSettings
-from supervisor.gpu_readings import (
+from supervisor.gpu.readings import (
     XID_NAMES,
     GpuReading,
     GpuVerdict,

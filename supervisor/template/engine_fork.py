@@ -1,6 +1,6 @@
 """EngineCore by fork on the CPU, where that is safe: the policy the worker template installs.
 
-Loaded by path by supervisor/engine_template.py (the engine venv's `supervisor` distribution
+Loaded by path by supervisor/template/engine_side.py (the engine venv's `supervisor` distribution
 shadows this package there), so it imports nothing from the repository.
 
 vLLM's CPU platform forces the "spawn" start method, to protect OpenMP thread pools: a fork

@@ -10,7 +10,14 @@ from pathlib import Path
 import structlog
 
 from appliance.settings import EngineSettings
-from supervisor.template import (
+from supervisor.engine.worker import (
+    ProcessLauncher,
+    SessionWorker,
+    build_command,
+    build_env,
+    port_released,
+)
+from supervisor.template.process import (
     API_PRELOADS,
     API_WARM,
     CPU_ENGINE_WARM,
@@ -19,15 +26,8 @@ from supervisor.template import (
     TemplateError,
     TemplateProcess,
 )
-from supervisor.worker import (
-    ProcessLauncher,
-    SessionWorker,
-    build_command,
-    build_env,
-    port_released,
-)
 
-log = structlog.get_logger("supervisor.launcher")
+log = structlog.get_logger("supervisor.engine.launcher")
 
 
 def build_launcher(engine: EngineSettings,

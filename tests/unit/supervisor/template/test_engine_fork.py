@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 FAKE_VLLM = {
     "vllm/__init__.py": "",
@@ -35,7 +35,7 @@ FAKE_VLLM = {
 
 PROBE = """
 import ctypes, json, socket, sys, threading
-from supervisor import engine_fork
+from supervisor.template import engine_fork
 import vllm.v1.engine.utils as launcher_module
 engine_fork.install_engine_core_fork_policy()
 import vllm.v1.executor as imported_later

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from appliance.settings import GpuSettings
-from supervisor.gpu import GpuMonitor
+from supervisor.gpu.nvml import GpuMonitor
 
 Action = Literal["none", "restart_worker", "fail"]
 

@@ -18,11 +18,11 @@ import psutil
 import structlog
 
 from appliance.settings import EngineSettings
-from supervisor.boot_phases import BootPhases
+from supervisor.engine.boot_phases import BootPhases
+from supervisor.engine.worker_output import WorkerOutput
 from supervisor.sdnotify import ENV_VARS
-from supervisor.worker_output import WorkerOutput
 
-log = structlog.get_logger("supervisor.worker")
+log = structlog.get_logger("supervisor.engine.worker")
 
 VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from appliance.settings import SupervisorSettings
-from supervisor.engine_stats import EngineStats
-from supervisor.exits import ExitCause, ExitReason
+from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.engine.stats import EngineStats
 from supervisor.monitors.progress import Activity, ProgressMonitor
 
 pytestmark = pytest.mark.anyio
@@ -257,8 +257,8 @@ async def test_engine_activity_reads_the_child_processes_or_the_server_alone() -
     import sys
 
     from appliance.settings import EngineSettings
+    from supervisor.engine.worker import ProcessLauncher
     from supervisor.monitors.progress import EngineActivity
-    from supervisor.worker import ProcessLauncher
 
     spin = "while True: pass"
     sleeping_server = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "

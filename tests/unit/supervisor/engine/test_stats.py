@@ -3,7 +3,7 @@ engines, wherever they sit on the page."""
 
 from __future__ import annotations
 
-from supervisor.engine_stats import parse_engine_stats
+from supervisor.engine.stats import parse_engine_stats
 
 PAGE = """\
 vllm:num_requests_running{engine="0",model_name="m"} 2.0

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 import httptools
 import structlog
 
-from supervisor.engine_stats import EngineStats, parse_engine_stats
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 
-log = structlog.get_logger("supervisor.probe")
+log = structlog.get_logger("supervisor.engine.probe")
 
 _READ = 256 * 1024  # bytes asked of each recv: vLLM's /metrics page comes in one or two
 

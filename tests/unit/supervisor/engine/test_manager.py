@@ -12,13 +12,13 @@ import pytest
 
 from appliance.engine import EngineState
 from appliance.settings import Settings
-from supervisor.engine_stats import EngineStats
-from supervisor.manager import EngineManager
+from supervisor.engine.manager import EngineManager
+from supervisor.engine.stats import EngineStats
+from supervisor.engine.worker import StopReport, Worker
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import Activity, ProgressMonitor
-from supervisor.worker import StopReport, Worker
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from appliance.settings import GpuSettings
-from supervisor.gpu import GpuMonitor
-from supervisor.gpu_readings import APPLICATION_XIDS, GpuReading, classify_xid
+from supervisor.gpu.nvml import GpuMonitor
+from supervisor.gpu.readings import APPLICATION_XIDS, GpuReading, classify_xid
 
 UUID = "GPU-5a3c1f4e-0000-1111-2222-333344445555"
 GIB = 1024**3

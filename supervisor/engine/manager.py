@@ -20,12 +20,12 @@ import structlog
 
 from appliance.engine import EngineState
 from appliance.settings import Settings
-from supervisor.backoff import Backoff, CrashLoop
-from supervisor.exits import ExitCause, ExitReason, Phase, process_exit
+from supervisor.engine.backoff import Backoff, CrashLoop
+from supervisor.engine.exits import ExitCause, ExitReason, Phase, process_exit
+from supervisor.engine.worker import Worker
 from supervisor.monitors import Monitor
-from supervisor.worker import Worker
 
-log = structlog.get_logger("supervisor.manager")
+log = structlog.get_logger("supervisor.engine.manager")
 
 
 class Launcher(Protocol):

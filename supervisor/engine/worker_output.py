@@ -12,7 +12,7 @@ import re
 
 import structlog
 
-log = structlog.get_logger("supervisor.worker")
+log = structlog.get_logger("supervisor.engine.worker")
 
 MAX_LINES = 400
 # vLLM prefixes its processes' lines, e.g. "(APIServer pid=123) " or "(EngineCore pid=9) ".

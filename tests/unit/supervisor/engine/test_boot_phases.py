@@ -7,7 +7,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from supervisor.boot_phases import IMPORTING, READY, BootPhase, BootPhases
+from supervisor.engine.boot_phases import IMPORTING, READY, BootPhase, BootPhases
 
 CAPTURE = Path(__file__).with_name("vllm_cpu_boot.tsv")
 
