@@ -12,9 +12,16 @@ from litestar import Litestar, Request, Response, Router
 from litestar.exceptions import HTTPException
 from prometheus_client import CollectorRegistry
 
-from appliance.admission import Admission
-from appliance.budget import BudgetFitter
-from appliance.clients import Roster
+from appliance.admission.clients import Roster
+from appliance.admission.slots import Admission
+from appliance.apis.anthropic import routes as anthropic
+from appliance.apis.batch import routes as batch
+from appliance.apis.openai import routes as openai
+from appliance.apis.openai.api import OPENAI
+from appliance.apis.responses import routes as responses
+from appliance.apis.responses.response_ids import ResponseIds
+from appliance.apis.shape import ErrorShape, encode
+from appliance.apis.tokenizer import routes as tokenizer
 from appliance.context import REQUEST_ID, request_context
 from appliance.engine import EngineView
 from appliance.errors import (
@@ -25,16 +32,16 @@ from appliance.errors import (
     NotFound,
     PayloadTooLarge,
 )
-from appliance.gate import Gate
+from appliance.gate.budget import BudgetFitter
+from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics
-from appliance.recent import EngineReading, Recent
 from appliance.relay import RelayDeps
-from appliance.response_ids import ResponseIds
-from appliance.routes import admin, anthropic, guards, openai, ops, responses, status, tokenizer
-from appliance.routes.openai import RouteDeps
+from appliance.routes import admin, guards, ops
+from appliance.routes.generation import RouteDeps
 from appliance.settings import Settings
-from appliance.shapes import OPENAI, ErrorShape, encode
-from appliance.status import StatusSources
+from appliance.status import routes as status
+from appliance.status.document import StatusSources
+from appliance.status.recent import EngineReading, Recent
 from appliance.upstream import Upstream
 
 log = structlog.get_logger("appliance.app")
@@ -111,7 +118,7 @@ def _api_routers(settings: Settings, relay: RelayDeps, clients: Roster) -> list[
     deps = RouteDeps(relay, settings.server)
     response_ids = ResponseIds(relay.engine, settings.policy.max_tracked_responses)
     background = settings.policy.allow_background_responses
-    api = Router("/", route_handlers=[*openai.routes(deps),
+    api = Router("/", route_handlers=[*openai.routes(deps), *batch.routes(deps),
                                       *responses.routes(deps, response_ids, background),
                                       *tokenizer.routes(deps)], guards=[guards.key_guard(clients)])
     # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.

@@ -14,7 +14,7 @@ ApiError                         any refusal or failure a client is told about
 └── EngineUnavailable (503)      engine not ready, restarting, lost mid-request; carries Retry-After
 
 How an ApiError is written on the wire (OpenAI's shape, Anthropic's) is the route's choice:
-see appliance.shapes.
+see appliance.apis.shape.
 """
 
 from __future__ import annotations

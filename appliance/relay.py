@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import structlog
 from litestar.types import Message, Receive, Scope, Send
 
-from appliance.admission import Admission
+from appliance.admission.slots import Admission
+from appliance.admission.usage import Meter
+from appliance.apis.shape import ErrorShape, StreamSoFar, encode, upstream_error
 from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
-from appliance.gate import Gate, Vetted
+from appliance.gate.gate import Gate, Vetted
 from appliance.metrics import RequestMetrics
-from appliance.shapes import ErrorShape, StreamSoFar, encode, upstream_error
 from appliance.upstream import Reply, Upstream
-from appliance.usage import Meter
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
 

@@ -15,9 +15,9 @@ import structlog
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from appliance.admission import Admission
+from appliance.admission.clients import Roster
+from appliance.admission.slots import Admission
 from appliance.app import create_app
-from appliance.clients import Roster
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
 from appliance.settings import ConfigError, EngineSettings, Settings, load_settings

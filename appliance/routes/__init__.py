@@ -1,13 +1,9 @@
-"""The API's routes, one module per family; each module's `routes(deps)` returns its handlers.
+"""What routes share, and the routes no API family owns.
 
-Families: openai (chat, completions, the chat batch, /invocations, models), responses (the
-Responses API), anthropic (Messages, under a router whose key guard also takes x-api-key),
-tokenizer (tokenize, detokenize, tokenizer_info, version), ops (health, metrics, livez).
-
-Adding a route that makes the engine work: describe it in appliance/apis.py and add one
-handler to its family's module, built with `generation(...)` (openai.py) so auth, admission,
-policy and the relay come with it. Any other route takes `get`/`post` from handlers.py, not
-from litestar (a test holds every route to it). Route metadata is declared on the handler:
+Shared: `generation` (the builder of every route that makes the engine work), `handlers`
+(`get`/`post`: use them, not litestar's; a test holds every route to it), `guards` (the key
+guard). Own routes: `ops` (health, metrics, livez), `admin` (reload). Each API family's routes
+live in its folder under appliance/apis/. Route metadata is declared on the handler:
 `opt={"quiet": True}` keeps polled routes out of the access log; `opt={"shape": ...}` picks
 the error shape.
 """

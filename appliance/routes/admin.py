@@ -15,7 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
 from litestar.handlers.base import BaseRouteHandler
 
-from appliance.clients import Roster
+from appliance.admission.clients import Roster
 from appliance.errors import BadRequest, Forbidden
 from appliance.routes.handlers import post
 from appliance.settings import ConfigError, Settings, load_settings

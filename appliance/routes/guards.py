@@ -8,7 +8,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 
-from appliance.clients import ANYONE, Client, Roster
+from appliance.admission.clients import ANYONE, Client, Roster
 from appliance.context import bind_client
 from appliance.errors import Forbidden
 

@@ -8,7 +8,7 @@ from typing import Any
 from litestar import Response
 from litestar.handlers import HTTPRouteHandler
 
-from appliance.admission import Admission
+from appliance.admission.slots import Admission
 from appliance.engine import EngineState, EngineView
 from appliance.metrics import RequestMetrics
 from appliance.routes.handlers import get

@@ -18,8 +18,8 @@ import pytest
 
 from tests.integration.harness import Appliance, running_appliance
 from tests.support.stack import known_settings
-from tests.unit.edge.limits import EDGE_LIMITS, QUICK_S
-from tests.unit.edge.shapes import assert_openai_error, names
+from tests.unit.appliance.edge.limits import EDGE_LIMITS, QUICK_S
+from tests.unit.appliance.edge.shapes import assert_openai_error, names
 
 WINDOW = 2048  # the harness's engine.max_model_len
 HI = [{"role": "user", "content": "Say hi."}]
@@ -149,7 +149,7 @@ def test_innocent_requests_after_a_worker_500_are_all_served(edge: Appliance) ->
     """#5: whatever the worker did with `structured_outputs: true`, the 15 requests after it,
     four at a time, are all served (200). vLLM 0.32 here closes at once and passed this even on
     64a2e0c; the worker that drops a connection a moment after its 500 is the synthetic one, in
-    tests/unit/edge/test_worker_faults.py, where that defect showed."""
+    tests/unit/appliance/edge/test_worker_faults.py, where that defect showed."""
     post(edge, {"messages": HI, "max_tokens": 2, "structured_outputs": True})
     statuses: list[int] = []
 

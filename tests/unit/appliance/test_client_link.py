@@ -158,11 +158,11 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
     uvicorn writes with the chunked terminator: one write where there were two."""
     from prometheus_client import CollectorRegistry
 
-    from appliance.apis import CHAT
-    from appliance.gate import Vetted
+    from appliance.admission.usage import Meter
+    from appliance.apis.openai.api import CHAT
+    from appliance.gate.gate import Vetted
     from appliance.metrics import RequestMetrics
     from appliance.relay import Relay
-    from appliance.usage import Meter
 
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
@@ -193,11 +193,11 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     """While the relay task's send of a buffered chunk waits, a newer chunk must not pass it."""
     from prometheus_client import CollectorRegistry
 
-    from appliance.apis import CHAT
-    from appliance.gate import Vetted
+    from appliance.admission.usage import Meter
+    from appliance.apis.openai.api import CHAT
+    from appliance.gate.gate import Vetted
     from appliance.metrics import RequestMetrics
     from appliance.relay import Relay
-    from appliance.usage import Meter
 
     cycle = Cycle()
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))

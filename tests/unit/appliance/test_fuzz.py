@@ -25,8 +25,8 @@ from appliance.app import create_app
 from appliance.settings import Settings
 from load.rawclient import Conn, Reply, Stalled, request_head
 from tests.support.stack import Stack, running_stack
+from tests.unit.appliance.edge.shapes import EXTRA, SHAPE
 from tests.unit.appliance.fakes import FakeEngine, upstream
-from tests.unit.edge.shapes import EXTRA, SHAPE
 
 scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(
     allow_nan=False) | st.text(max_size=20)

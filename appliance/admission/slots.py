@@ -1,0 +1,173 @@
+"""Admission: how many generation requests may be with the engine at once, and who waits.
+
+A request first passes its client's own limits (requests open, tokens per minute): over one,
+it is refused at once with 429 naming the limit and when it resets. Then it takes one of the
+`max_inflight` slots, or, when all are taken, waits in a short queue (admission.queue_max
+places, admission.queue_wait_s at most) served by priority and round-robin across clients
+(appliance.fairqueue). A freed slot passes straight to the next waiter. A client with a
+better priority than the default may also take one of `admission.priority_headroom` slots
+beyond the limit, so that it does not wait for a low-priority request to finish. A request not
+admitted in time gets 429 with a Retry-After estimated from the queue and the mean time a
+slot is held. A waiter that is cancelled (client gone, engine lost) leaves the queue cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from appliance.admission.accounts import Account
+from appliance.admission.clients import ANYONE, Client
+from appliance.admission.fairqueue import FairQueue
+from appliance.admission.usage import Meter
+from appliance.errors import TooManyRequests
+from appliance.settings import Settings
+
+_HOLD_WEIGHT = 0.2  # of each new hold time in the running mean
+_FIRST_HOLD_S = 1.0  # the mean before any request finished
+
+
+class _Waiter:
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+
+    def granted(self) -> bool:
+        future = self.future
+        return future.done() and not future.cancelled() and future.exception() is None
+
+
+class Admission:
+    """In-flight slots; `slot()` is the only way to take one, and its exit the only release."""
+
+    def __init__(self, max_inflight: int, on_change: Callable[[int], None] = lambda _: None, *,
+                 queue_max: int = 0, queue_wait_s: float = 0.0, headroom: int = 0,
+                 default_priority: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._max = max_inflight
+        self._headroom = headroom
+        self._default_priority = default_priority
+        self._in_flight = 0
+        self._on_change = on_change
+        self._queue_max = queue_max
+        self._wait_s = queue_wait_s
+        self._clock = clock
+        self._queue: FairQueue[_Waiter] = FairQueue()
+        self._accounts: dict[str, Account] = {}
+        self.mean_hold_s = _FIRST_HOLD_S
+        self.admitted = 0  # slots granted so far: work the engine was given
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Admission:
+        admission = settings.admission
+        return cls(settings.policy.max_inflight, queue_max=admission.queue_max,
+                   queue_wait_s=admission.queue_wait_s, headroom=admission.priority_headroom,
+                   default_priority=admission.default_priority)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, client: Client = ANYONE, prompt_bytes: int = 0) -> AsyncIterator[Meter]:
+        """Hold a slot for the block; it yields the meter the request's usage is counted on."""
+        account = self._accounts.setdefault(client.name, Account())
+        account.check(client, self._clock(), self.mean_hold_s)
+        account.held += 1
+        try:
+            await self._take(client)
+        except BaseException:
+            account.held -= 1
+            raise
+        self.admitted += 1
+        meter = Meter(client.tokens_per_minute is not None, prompt_bytes)
+        started = self._clock()
+        try:
+            yield meter
+        finally:
+            self._give_back()
+            account.held -= 1
+            now = self._clock()
+            self.mean_hold_s += _HOLD_WEIGHT * (now - started - self.mean_hold_s)
+            if meter.enabled:
+                account.charge(client, meter.tokens(), now)
+
+    def retry_after_s(self) -> int:
+        """When a request sent now would likely be admitted: the queue ahead, slot by slot."""
+        return max(1, math.ceil((len(self._queue) + 1) * self.mean_hold_s / self._max))
+
+    def _capacity(self, priority: int) -> int:
+        """Slots a request of this priority may count up to: the headroom is for the better."""
+        return self._max + (self._headroom if priority < self._default_priority else 0)
+
+    async def _take(self, client: Client) -> None:
+        best_waiting = self._queue.best_priority()
+        if self._in_flight < self._capacity(client.priority) and (
+                best_waiting is None or best_waiting > client.priority):
+            self._in_flight += 1
+            self._on_change(self._in_flight)
+            return
+        if self._queue_max == 0 or self._wait_s <= 0:
+            raise TooManyRequests(f"more than {self._max} requests in flight; retry shortly",
+                                  code="too_many_requests", retry_after_s=self.retry_after_s(),
+                                  reason="admission")
+        waiter = _Waiter(asyncio.get_running_loop().create_future())
+        self._enqueue(waiter, client)
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await waiter.future
+        except TimeoutError:
+            if waiter.granted():
+                return  # the slot came as the time ran out: it is ours
+            self._queue.remove(waiter)
+            raise self._refusal("queue_timeout", f"not admitted within {self._wait_s:g} s "
+                                "(admission.queue_wait_s)") from None
+        except asyncio.CancelledError:
+            if waiter.granted():
+                self._give_back()  # handed to us as we left: pass it on
+            else:
+                self._queue.remove(waiter)
+            raise
+
+    def _enqueue(self, waiter: _Waiter, client: Client) -> None:
+        """Queue the waiter; a full queue drops the heaviest client's newest waiter for it, or
+        refuses it when its own client is the heaviest."""
+        if len(self._queue) >= self._queue_max:
+            heaviest = self._queue.heaviest()
+            if heaviest is None or heaviest[1] <= self._queue.count(client.name) + 1:
+                raise self._refusal("queue_full", f"the admission queue is full "
+                                    f"({self._queue_max} waiting, admission.queue_max)")
+            victim = self._queue.newest_of(heaviest[0])
+            assert victim is not None
+            self._queue.remove(victim)
+            victim.future.set_exception(self._refusal(
+                "queue_full", "dropped from the full admission queue for a client with fewer "
+                "requests waiting"))
+        self._queue.push(waiter, client.name, client.priority)
+
+    def _give_back(self) -> None:
+        while (next_up := self._queue.peek()) is not None:
+            waiter, priority = next_up
+            if waiter.future.done():  # gave up; its task takes no slot
+                self._queue.remove(waiter)
+                continue
+            if self._in_flight > self._capacity(priority):
+                break  # a headroom slot, and the next waiter may not have it
+            self._queue.pop()  # that waiter, and its client's turn goes round
+            waiter.future.set_result(None)  # the slot passes on: in_flight is unchanged
+            return
+        self._in_flight -= 1
+        self._on_change(self._in_flight)
+
+    def _refusal(self, code: str, why: str) -> TooManyRequests:
+        retry_after_s = self.retry_after_s()
+        return TooManyRequests(f"{why}: {self._in_flight} requests in flight, {len(self._queue)} "
+                               f"waiting; retry in {retry_after_s} s", code=code,
+                               retry_after_s=retry_after_s, reason=code)

@@ -1,0 +1,1 @@
+"""The APIs the appliance serves, one folder per family: its API objects, rules, shape, routes."""

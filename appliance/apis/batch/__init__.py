@@ -1,0 +1,1 @@
+"""vLLM's chat batch: many conversations under one set of parameters."""

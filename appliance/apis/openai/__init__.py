@@ -1,0 +1,1 @@
+"""OpenAI's chat and completions (and SageMaker-style /invocations, the model list)."""

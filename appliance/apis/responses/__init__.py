@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: create, retrieve, cancel; which worker stored which response."""

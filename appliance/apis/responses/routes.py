@@ -1,0 +1,76 @@
+"""The OpenAI Responses API: create (through the gate), retrieve and cancel (relayed as they
+are), every answer in the Responses protocol; a response id lost in a worker restart is told."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+from litestar import Request
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import FromPath, FromQuery
+from litestar.types import ASGIApp
+
+from appliance.apis.api import GenerationApi
+from appliance.apis.responses.api import RESPONSES_CANCEL, RESPONSES_CREATE, RESPONSES_RETRIEVE
+from appliance.apis.responses.response_ids import ResponseIds
+from appliance.engine import require_ready
+from appliance.errors import BadRequest
+from appliance.gate.gate import Vetted
+from appliance.routes.generation import RouteDeps, generation, relay_for
+from appliance.routes.handlers import get, post
+
+SHAPE = {"shape": RESPONSES_CREATE.shape}
+
+
+def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRouteHandler]:
+    """`background`: whether background responses are allowed (only they can be streamed
+    again: vLLM breaks off the stream of any other stored response)."""
+    relay = deps.relay
+
+    def prepare(vetted: Vetted) -> None:
+        body = vetted.payload
+        if body.get("store") is not False:
+            ids.created(body["request_id"])
+        previous = body.get("previous_response_id")
+        vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
+
+    def stored(api: GenerationApi, response_id: str, method: str, query: str = "",
+               payload: dict[str, Any] | None = None) -> Vetted:
+        path = api.path.replace("{id}", quote(response_id, safe=""))
+        return Vetted(api, payload or {}, b"", method=method, path=path + query,
+                      refine=lambda error: ids.explain(error, response_id, "response_id"))
+
+    @get("/v1/responses/{response_id:str}", name=RESPONSES_RETRIEVE.name, opt=SHAPE)
+    async def retrieve(request: Request[Any, Any, Any], response_id: FromPath[str],
+                       stream: FromQuery[bool] = False,
+                       starting_after: FromQuery[int | None] = None) -> ASGIApp:
+        require_ready(relay.engine)
+        query = _retrieve_query(stream, starting_after, background)
+        payload = {"stream": stream, "request_id": response_id}
+        return relay_for(stored(RESPONSES_RETRIEVE, response_id, "GET", query, payload),
+                         request, relay)
+
+    @post("/v1/responses/{response_id:str}/cancel", name=RESPONSES_CANCEL.name, opt=SHAPE,
+          status_code=200)
+    async def cancel(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ASGIApp:
+        require_ready(relay.engine)
+        return relay_for(stored(RESPONSES_CANCEL, response_id, "POST"), request, relay)
+
+    return [generation("/v1/responses", RESPONSES_CREATE, deps, prepare), retrieve, cancel]
+
+
+def _retrieve_query(stream: bool, starting_after: int | None, background: bool) -> str:
+    """The worker's query for a retrieve, checked: only what vLLM reads is passed on."""
+    if stream and not background:
+        raise BadRequest("Only a background response can be streamed again, and background "
+                         "responses are off on this appliance (setting "
+                         "policy.allow_background_responses).", param="stream",
+                         code="background_not_allowed")
+    if starting_after is not None and starting_after < 0:
+        raise BadRequest("'starting_after' must be at least 0.", param="starting_after",
+                         code="invalid_value")
+    query = "?stream=true" if stream else ""
+    if starting_after is not None:
+        query += ("&" if query else "?") + f"starting_after={starting_after}"
+    return query

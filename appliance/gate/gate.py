@@ -1,0 +1,190 @@
+"""The gate every generation request passes before the engine: parse, validate, the policy rules.
+
+Vetting is pure CPU work on the body (no I/O, no slot held), so a refusal costs the engine
+nothing; a big body is vetted on a worker thread so that it never stalls the event loop.
+The budget is fitted later, once the request holds an admission slot (it may ask the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from appliance import policy
+from appliance.admission.clients import ANYONE, Client
+from appliance.apis.api import GenerationApi
+from appliance.errors import ApiError, BadRequest
+from appliance.gate.budget import BudgetFitter
+from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
+from appliance.policy.fields import check_fields
+from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
+from appliance.settings import Settings
+
+log = structlog.get_logger("appliance.gate")
+
+_CONVERSATIONS = ("messages", "anthropic")  # APIs whose body is one list of messages
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image_token_id")
+
+
+@dataclass
+class Vetted:
+    """A request that passed the rules: what to forward, and what the gate did to it."""
+
+    api: GenerationApi
+    payload: dict[str, Any]
+    raw: bytes
+    changed: bool = False  # a rule rewrote the body: it is re-encoded, else forwarded as sent
+    defaulted: bool = False  # the budget is the configured default
+    headers: dict[str, str] = field(default_factory=dict)  # for the client's answer
+    method: str = "POST"
+    path: str | None = None  # the worker's route when not the API's own (a path parameter)
+    # The route's own reading of a worker's refusal (a response id lost in a restart).
+    refine: Callable[[ApiError], ApiError] | None = None
+    client: Client = ANYONE
+    usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
+    priority: int | None = None  # for the worker's priority scheduler; None: not sent
+
+    @property
+    def stream(self) -> bool:
+        return self.payload.get("stream") is True
+
+    @property
+    def target(self) -> str:
+        return self.path or self.api.path
+
+    def body(self) -> bytes | None:
+        if self.method == "GET" or not (self.raw or self.changed):
+            return None
+        return msgspec.json.encode(self.payload) if self.changed else self.raw
+
+
+class Gate:
+    """Vets bodies against the settings' rules; fits budgets through the BudgetFitter."""
+
+    def __init__(self, settings: Settings, budget: BudgetFitter,
+                 on_clamp: Callable[[], None] = lambda: None) -> None:
+        self._settings = settings
+        self._on_clamp = on_clamp
+        self._rules = settings.policy
+        self._budget = budget
+        self._multimodal = _is_multimodal(settings)
+        self._big_bodies = asyncio.Semaphore(1)
+        self._engine_priority = settings.admission.engine_priority()
+
+    async def vet(self, raw: bytes, api: GenerationApi, client: Client = ANYONE) -> Vetted:
+        if len(raw) <= self._settings.server.parse_in_thread_bytes:
+            return self.vet_now(raw, api, client)
+        # One big body at a time: a parse holds the GIL, and the event loop must get it back
+        # between two of them.
+        async with self._big_bodies:
+            return await asyncio.to_thread(self.vet_now, raw, api, client)
+
+    def vet_now(self, raw: bytes, api: GenerationApi, client: Client = ANYONE) -> Vetted:
+        """Every rule that needs only the body; raises the first refusal as an ApiError."""
+        rules = self._rules
+        if api.prompt in _CONVERSATIONS:
+            _check_message_count(raw, rules.max_messages)
+        body = policy.parse_json(raw)
+        api.validate(body)
+        check_fields(body, api.fields)
+        policy.check_n(body, rules.max_n)
+        _check_fanout(body, api, rules.max_batch_prompts)
+        _check_conversation(body, api, rules.max_messages)
+        if api.find_media is not None:
+            policy.check_media(api.find_media(body), multimodal=self._multimodal,
+                               max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
+                               allowed_hosts=rules.allowed_media_hosts)
+        changed = api.rules(body, self._settings) if api.rules is not None else False
+        defaulted = bool(api.budget_fields) and apply_default_budget(
+            body, api.budget_fields, rules.default_max_tokens)
+        vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
+                        client=client)
+        self._apply_client(vetted)
+        return vetted
+
+    def _apply_client(self, vetted: Vetted) -> None:
+        """The client's own rules: its max_tokens ceiling, its priority, its usage meter."""
+        client, body = vetted.client, vetted.payload
+        capped, clamp = cap_max_tokens(body, vetted.api.budget_fields, client.max_tokens,
+                                       vetted.defaulted)
+        if clamp is not None:
+            vetted.headers[CLAMP_HEADER] = header_value(clamp)
+            self._on_clamp()
+        dropped = False
+        if self._engine_priority and vetted.api.admitted:
+            vetted.priority = client.priority
+            dropped = drop_priority(body)
+        vetted.usage_added = (client.tokens_per_minute is not None
+                              and vetted.api.usage_on_request and ask_usage(body))
+        vetted.changed |= capped or dropped or vetted.usage_added
+
+    async def fit_budget(self, vetted: Vetted) -> None:
+        """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""
+        fitted = await self._budget.fit(vetted.api, vetted.payload, len(vetted.raw),
+                                        defaulted=vetted.defaulted, multimodal=self._multimodal)
+        if fitted.clamp is None:
+            return
+        clamp = fitted.clamp
+        vetted.changed = True
+        vetted.headers[CLAMP_HEADER] = header_value(clamp)
+        self._on_clamp()
+        log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
+                 applied=clamp.applied, defaulted=clamp.defaulted)
+
+
+def _check_message_count(raw: bytes, max_messages: int) -> None:
+    """Refuse an absurd number of messages before parsing them (parsing costs the loop).
+
+    Every message has a "role" key, and inside a JSON string a quote is escaped, so counting
+    `"role"` in the raw bytes bounds the message count from above, at memchr speed. The exact
+    count is checked again once parsed."""
+    if raw.count(b'"role"') > max_messages:
+        raise BadRequest(f"'messages' holds more than {max_messages} messages (setting "
+                         "policy.max_messages).", param="messages", code="too_many_messages")
+
+
+def _check_conversation(body: dict[str, Any], api: GenerationApi, max_messages: int) -> None:
+    """A conversation is bounded too: each message is template work and prompt tokens."""
+    messages = body.get("messages")
+    if api.prompt in _CONVERSATIONS and isinstance(messages, list) \
+            and len(messages) > max_messages:
+        raise BadRequest(f"'messages' holds {len(messages)} messages; at most {max_messages} "
+                         "are accepted (setting policy.max_messages).", param="messages",
+                         code="too_many_messages")
+
+
+def _check_fanout(body: dict[str, Any], api: GenerationApi, max_prompts: int) -> None:
+    """A batch of prompts (or of conversations) is bounded: each one is a sequence for the
+    engine to prefill."""
+    key = "messages" if api.prompt == "conversations" else "prompt"
+    prompts = body.get(key)
+    if key == "prompt" and not (isinstance(prompts, list) and prompts
+                                and not isinstance(prompts[0], int)):
+        return
+    if isinstance(prompts, list) and len(prompts) > max_prompts:
+        what = "conversations" if key == "messages" else "prompts"
+        raise BadRequest(f"'{key}' holds {len(prompts)} {what}; at most {max_prompts} are "
+                         "accepted per request (setting policy.max_batch_prompts).",
+                         param=key, code="too_many_prompts")
+
+
+def _is_multimodal(settings: Settings) -> bool:
+    """From settings, else from the model directory's config (a vision or audio tower).
+
+    A model whose config cannot be read is treated as text-only: refusing is the safe side.
+    """
+    setting = settings.policy.multimodal
+    if setting != "auto":
+        return setting == "on"
+    try:
+        config = json.loads((Path(settings.engine.model) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(key in config for key in _MULTIMODAL_KEYS)

@@ -1,0 +1,1 @@
+"""The status page: its document, the recent-history ring behind its charts, its routes, ui/."""

@@ -1,0 +1,64 @@
+"""The status document: what the page at / shows and /status.json gives scripts, in one place."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter
+
+from appliance.admission.slots import Admission
+from appliance.engine import EngineView
+from appliance.metrics import RequestMetrics
+from appliance.settings import Settings
+from appliance.status.recent import EngineReading, Recent
+
+
+@dataclass(frozen=True)
+class StatusSources:
+    """Everything the document is read from; each read is cheap (no I/O, no lock)."""
+
+    settings: Settings
+    engine: EngineView
+    admission: Admission
+    metrics: RequestMetrics
+    recent: Recent
+    engine_reading: EngineReading
+
+
+def status_document(sources: StatusSources) -> dict[str, Any]:
+    """Engine (state, model, uptime, restarts, recent exits, GPU), requests, recent rates."""
+    reading = sources.engine_reading()
+    metrics, recent = sources.metrics, sources.recent
+    series = recent.series()
+    return {
+        "at": round(time.time(), 1),
+        "refresh_s": sources.settings.status.refresh_s,
+        "engine": sources.engine.snapshot(),
+        "requests": {
+            "in_flight": sources.admission.in_flight,
+            "max_inflight": sources.settings.policy.max_inflight,
+            "engine_running": reading.running if reading is not None else None,
+            "engine_waiting": reading.waiting if reading is not None else None,
+            "rejected": _by_label(metrics.rejections, "reason"),
+            "disconnect_aborts": _by_label(metrics.disconnects, "stream"),
+        },
+        "recent": {
+            "window_s": sources.settings.status.rate_window_s,
+            "tokens_per_s": series["tokens_per_s"][-1] if series["t"] else None,
+            "mean_ttft_s": recent.mean_ttft(),
+            "series": series,
+        },
+    }
+
+
+def _by_label(counter: Counter, label: str) -> dict[str, float]:
+    """A counter's totals by one label, through the public collect() API."""
+    found: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels[label]
+                found[key] = found.get(key, 0.0) + sample.value
+    return found

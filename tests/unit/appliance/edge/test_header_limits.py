@@ -1,0 +1,81 @@
+"""Header limits (issue 9 #3): a huge header or a flood of headers is refused (431, or a hang-up
+before the app) quickly, memory stays bounded, and /livez stays fast meanwhile."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from load.honest import poll_livez_during
+from load.procstat import MIB, PeakSampler
+from load.rawclient import Conn, HeaderItem, Reply, Stalled, request_head
+from tests.support.stack import Stack
+from tests.unit.appliance.edge.limits import LIVEZ_P99_S, QUICK_S, RSS_GROWTH_MIB
+
+REFUSED = (None, 431)  # a 431, or the connection closed before the app saw the request
+
+
+def _livez_request(stack: Stack, headers: Sequence[HeaderItem] | bytes) -> bytes:
+    """GET /livez carrying `headers` (or raw header lines)."""
+    if isinstance(headers, bytes):  # raw header lines go before the blank line
+        return request_head("GET", "/livez", stack.target)[:-2] + headers + b"\r\n"
+    return request_head("GET", "/livez", stack.target, headers)
+
+
+def _send(stack: Stack, raw: bytes) -> Reply:
+    """Send it whole (a hang-up part way through is a refusal); the reply or the hang-up."""
+    with Conn(stack.target, timeout_s=QUICK_S) as conn:
+        conn.send(raw, timeout_s=QUICK_S)
+        return conn.reply(QUICK_S)
+
+
+def _livez_with(stack: Stack, headers: Sequence[HeaderItem] | bytes) -> Reply:
+    return _send(stack, _livez_request(stack, headers))
+
+
+def _many_headers(count: int) -> bytes:
+    return b"".join(b"X-H-%d: v\r\n" % i for i in range(count))
+
+
+@pytest.mark.parametrize("size_mib", [1, 64])
+def test_one_huge_header_is_refused_quickly(stack: Stack, size_mib: int) -> None:
+    """#3: a single 1 MiB or 64 MiB header: 431 or a hang-up, within QUICK_S."""
+    started = time.monotonic()
+    reply = _livez_with(stack, [("X-Big", "a" * (size_mib * MIB))])
+    assert reply.status in REFUSED, f"a {size_mib} MiB header was answered {reply.status}"
+    assert time.monotonic() - started < QUICK_S
+
+
+def test_two_hundred_thousand_headers_are_refused_quickly(stack: Stack) -> None:
+    """#3: 200,000 small headers: 431 or a hang-up, within QUICK_S."""
+    started = time.monotonic()
+    reply = _livez_with(stack, _many_headers(200_000))
+    assert reply.status in REFUSED, f"200,000 headers were answered {reply.status}"
+    assert time.monotonic() - started < QUICK_S
+
+
+def test_header_floods_keep_memory_bounded_and_livez_fast(stack: Stack) -> None:
+    """#3: four 64 MiB headers at once: the appliance's RSS grows by at most RSS_GROWTH_MIB and
+    /livez (polled meanwhile) keeps its p99 under LIVEZ_P99_S."""
+    flood = _livez_request(stack, [("X-Big", "a" * (64 * MIB))])  # built before: no GIL hog
+
+    def attack() -> None:
+        with contextlib.suppress(Stalled):  # a server that stops reading is judged below
+            _send(stack, flood)
+
+    before = stack.usage()
+    with PeakSampler(stack.pid) as sampler:
+        livez = poll_livez_during(stack.url, [attack] * 4)
+    grown = (sampler.peak.rss_bytes - before.rss_bytes) / MIB
+    summary = f"RSS grew {grown:.0f} MiB; /livez {livez}"
+    assert grown <= RSS_GROWTH_MIB, summary
+    assert livez.failures == 0 and livez.p99 <= LIVEZ_P99_S, summary
+
+
+def test_ordinary_headers_are_accepted(stack: Stack) -> None:
+    """Guard: 40 headers of 200 bytes (8 KB, a heavy but real browser request) are served."""
+    reply = _livez_with(stack, [(f"X-Ordinary-{i}", "v" * 200) for i in range(40)])
+    assert reply.status == 200

@@ -1,0 +1,97 @@
+"""An unhandled exception (issue 9 #6): a 500 in the OpenAI shape with the request id, exactly
+one log line carrying the traceback, and a metric; injected through a test-only app."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.metrics_text import samples
+from tests.net import free_port
+from tests.support.processes import terminate
+from tests.support.stack import ROOT
+from tests.unit.appliance.edge.shapes import assert_openai_error
+
+UNHANDLED_METRIC = re.compile(r"appliance_\w*(exception|unhandled|internal|crash)")
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@dataclass
+class Faulty:
+    url: str
+    log_path: Path
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def new_log_lines(self, since: int, within_s: float = 2.0) -> list[str]:
+        """Lines after `since` once one carries a traceback, or all of them at the deadline
+        (a handler may log just after it answers)."""
+        deadline = time.monotonic() + within_s
+        while not _traceback_lines(self.log_lines()[since:]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.log_lines()[since:]
+
+    def unhandled_count(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(value for (name, _), value in samples(text).items()
+                   if UNHANDLED_METRIC.match(name))
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("faulty") / "app.log"
+    upstream = f"http://127.0.0.1:{free_port()}"  # nobody there: the fault comes first
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.unit.appliance.edge.faulty_app", "--port",
+                                 str(port), "--upstream", upstream], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(f"http://127.0.0.1:{port}", proc)
+        yield Faulty(f"http://127.0.0.1:{port}", log_path)
+    finally:
+        terminate(proc)
+
+
+def _wait_listening(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError("the faulty app did not start")
+
+
+def _traceback_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if "Traceback (most recent call last)" in line
+            or "InjectedFault" in line]
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/livez"), ("POST", "/v1/chat/completions")])
+def test_an_unhandled_exception_is_a_500_in_the_openai_shape_logged_once(
+        faulty: Faulty, method: str, path: str) -> None:
+    """#6: 500, the OpenAI error shape, the X-Request-Id it was given back, exactly one log
+    line with the traceback tagged with that id, and an appliance_*unhandled/exception*
+    metric counting it."""
+    since, counted = len(faulty.log_lines()), faulty.unhandled_count()
+    response = httpx.request(method, f"{faulty.url}{path}", json=CHAT, timeout=10,
+                             headers={"X-Request-Id": "fault-probe-1"})
+    assert response.status_code == 500
+    assert_openai_error(response)
+    assert response.headers.get("x-request-id") == "fault-probe-1"
+    logged = _traceback_lines(faulty.new_log_lines(since))
+    assert len(logged) == 1, f"{len(logged)} lines carry the traceback, not one"
+    assert json.loads(logged[0]).get("request_id") == "fault-probe-1"
+    assert faulty.unhandled_count() >= counted + 1, "no metric counted the unhandled exception"

@@ -1,0 +1,39 @@
+"""The gate's bounds on the work one body can cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance.apis.openai.api import CHAT
+from appliance.errors import BadRequest
+from appliance.gate.gate import Gate
+from appliance.settings import Settings
+
+
+def gate(**policy: object) -> Gate:
+    return Gate(Settings(policy=policy), None)  # type: ignore[arg-type]  # no budget fitting here
+
+
+def chat(messages: list[dict[str, str]]) -> bytes:
+    return json.dumps({"messages": messages, "max_tokens": 4}).encode()
+
+
+def test_a_conversation_over_max_messages_is_refused_naming_messages() -> None:
+    body = chat([{"role": "user", "content": "x"}] * 11)
+    with pytest.raises(BadRequest) as caught:
+        gate(max_messages=10).vet_now(body, CHAT)
+    assert (caught.value.param, caught.value.code) == ("messages", "too_many_messages")
+
+
+def test_the_word_role_inside_a_message_is_not_counted_as_a_message() -> None:
+    """The raw pre-count reads `"role"` keys; inside a JSON string the quotes are escaped."""
+    text = 'say "role" and {"role": "user"} ' * 50
+    vetted = gate(max_messages=2).vet_now(chat([{"role": "user", "content": text}]), CHAT)
+    assert vetted.payload["messages"][0]["content"] == text
+
+
+def test_at_max_messages_the_conversation_passes() -> None:
+    body = chat([{"role": "user", "content": "x"}] * 10)
+    assert len(gate(max_messages=10).vet_now(body, CHAT).payload["messages"]) == 10
