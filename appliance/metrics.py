@@ -19,6 +19,7 @@ from prometheus_client import generate_latest as _generate_latest
 
 from appliance.context import CLIENT_NAME
 from appliance.errors import ApiError
+from appliance.fences.litestar import handler_of, route_of
 
 log = structlog.get_logger("appliance.metrics")
 
@@ -84,8 +85,8 @@ class RequestMetrics:
         return measured
 
     def _count(self, scope: Scope, status: int, elapsed: float) -> None:
-        handler = scope.get("route_handler")
-        route = str(scope.get("path_template") or UNROUTED) if handler is not None else UNROUTED
+        handler = handler_of(scope)
+        route = (route_of(scope) or UNROUTED) if handler is not None else UNROUTED
         self.requests.labels(route=route, status=str(status), client=CLIENT_NAME.get()).inc()
         self.duration.labels(route=route).observe(elapsed)
         if handler is None or not handler.opt.get("quiet"):
