@@ -40,7 +40,7 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
 
 def template_of(appliance: Appliance) -> psutil.Process:
     children = psutil.Process(appliance.proc.pid).children()
-    templates = [p for p in children if any("engine_template.py" in a for a in p.cmdline())]
+    templates = [p for p in children if any("engine_side.py" in a for a in p.cmdline())]
     assert len(templates) == 1, f"one template among {[(p.pid, p.cmdline()) for p in children]}"
     return templates[0]
 
