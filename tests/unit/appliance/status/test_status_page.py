@@ -92,3 +92,11 @@ async def test_status_json_follows_protect_ops_routes_and_the_shell_does_not() -
     auth = {"authorization": "Bearer sk-status"}
     assert (await get(app, "/status.json", headers=auth)).status_code == 200
     assert (await get(app, "/")).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "content_type"), [
+    ("/", "text/html; charset=utf-8"), ("/ui/status.js", "text/javascript; charset=utf-8"),
+    ("/ui/chart.js", "text/javascript; charset=utf-8"), ("/ui/status.css", "text/css; charset=utf-8")])
+async def test_the_shell_and_its_assets_name_their_charset_once(path: str, content_type: str) -> None:
+    asset = await get(create_app(Settings(), FakeEngine("http://127.0.0.1:9")), path)
+    assert asset.headers["content-type"] == content_type
