@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import structlog
 from litestar import Litestar, Request, Response, Router
 from litestar.exceptions import HTTPException
 from prometheus_client import CollectorRegistry
@@ -20,21 +19,23 @@ from appliance.apis.openai import routes as openai
 from appliance.apis.openai.api import OPENAI
 from appliance.apis.responses import routes as responses
 from appliance.apis.responses.response_ids import ResponseIds
-from appliance.apis.shape import ErrorShape, encode
+from appliance.apis.shape import ErrorShape
 from appliance.apis.tokenizer import routes as tokenizer
 from appliance.context import REQUEST_ID, request_context
 from appliance.engine import EngineView
+from appliance.error_answer import error_answer
 from appliance.errors import (
     ApiError,
     BadRequest,
-    InternalError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    internal_error,
 )
+from appliance.fences.litestar import route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
-from appliance.metrics import RequestMetrics
+from appliance.metrics import UNROUTED, RequestMetrics
 from appliance.relay import RelayDeps
 from appliance.routes import admin, guards, ops
 from appliance.routes.generation import RouteDeps
@@ -43,8 +44,6 @@ from appliance.status import routes as status
 from appliance.status.document import StatusSources
 from appliance.status.recent import EngineReading, Recent
 from appliance.upstream import Upstream
-
-log = structlog.get_logger("appliance.app")
 
 
 def create_app(
@@ -88,17 +87,10 @@ def create_app(
             await upstream.aclose()
 
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-        error = _as_api_error(exc)
-        if isinstance(error, InternalError):
-            metrics.unhandled(str(request.scope.get("path_template") or "other"), exc)
-        else:
-            metrics.rejected(error)
-            log.info("request.rejected", status=error.status, code=error.code, param=error.param,
-                     reason=error.reason)
-        request_id = request.headers.get(REQUEST_ID)
-        return Response(content=encode(_shape(request), error, request_id),
-                        status_code=error.status, media_type="application/json",
-                        headers=error.headers() | ({REQUEST_ID: request_id} if request_id else {}))
+        answer = error_answer(_as_api_error(exc), _shape(request), request.headers.get(REQUEST_ID),
+                              metrics, route=route_of(request.scope) or UNROUTED)
+        return Response(content=answer.body, status_code=answer.status,
+                        media_type="application/json", headers=answer.headers)
 
     return Litestar(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
@@ -149,5 +141,4 @@ def _as_api_error(exc: Exception) -> ApiError:
                                    code="body_too_large", reason="body_too_large")
         if status < 500:
             return BadRequest(str(exc.detail), code="bad_request", reason="bad_input")
-    return InternalError("internal error; the request id is in the appliance's log",
-                         code="internal_error", reason="internal_error")
+    return internal_error(exc)

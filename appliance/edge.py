@@ -17,14 +17,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
-import msgspec
-import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from appliance.apis.openai.api import OPENAI
+from appliance.error_answer import error_answer
+from appliance.errors import ApiError, HeadersTooLarge, RequestTimeout, ServiceUnavailable
+from appliance.metrics import UNROUTED
 from appliance.settings import ServerSettings
-
-log = structlog.get_logger("appliance.edge")
 
 CLIENT_LINK = "chat-appliance.client_link"  # the scope extension that carries a ClientLink
 
@@ -108,10 +108,6 @@ class _Refused(Exception):
     """Raised from a parser callback once the connection was refused: stops the parse."""
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large",
-            503: "Service Unavailable"}
-
-
 class EdgeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.open = Gauge("appliance_connections_open", "Client connections open now.",
@@ -119,6 +115,10 @@ class EdgeMetrics:
         self.closed = Counter("appliance_connections_closed",
                               "Connections the edge closed, by reason.", ["reason"],
                               registry=registry)
+
+    def error_answered(self, error: ApiError, route: str) -> None:
+        """The edge's refusals are counted as the connections they close."""
+        self.closed.labels(reason=error.reason).inc()
 
 
 def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpToolsProtocol]:
@@ -137,8 +137,8 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             super().connection_made(transport)
             metrics.open.set(len(self.connections))
             if len(self.connections) > server.max_connections:
-                self._refuse(503, "too many connections; retry shortly", "over_capacity",
-                             retry_after=True)
+                self._refuse(ServiceUnavailable("too many connections; retry shortly",
+                                                retry_after_s=1, code="over_capacity"))
                 return
             self._arm_head_timer()
 
@@ -159,8 +159,8 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             if self._in_head and not self.transport.is_closing():
                 self._head_bytes += len(data)
                 if self._head_bytes > server.max_header_bytes:
-                    self._refuse(431, "request head too large (setting server.max_header_bytes)",
-                                 "head_too_large")
+                    self._refuse(HeadersTooLarge("request head too large (setting "
+                                                 "server.max_header_bytes)", code="head_too_large"))
 
         def on_message_begin(self) -> None:
             self._in_head, self._header_count = True, 0
@@ -171,8 +171,8 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
         def on_header(self, name: bytes, value: bytes) -> None:
             self._header_count += 1
             if self._header_count > server.max_headers:
-                self._refuse(431, "too many headers (setting server.max_headers)",
-                             "too_many_headers")
+                self._refuse(HeadersTooLarge("too many headers (setting server.max_headers)",
+                                             code="too_many_headers"))
                 raise _Refused
             super().on_header(name, value)
 
@@ -212,22 +212,16 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
                 metrics.closed.labels(reason="silent").inc()
                 self.transport.close()
                 return
-            self._refuse(408, "the request head did not arrive in time "
-                              "(setting server.header_timeout_s)", "header_timeout")
+            self._refuse(RequestTimeout("the request head did not arrive in time "
+                                        "(setting server.header_timeout_s)", code="header_timeout"))
 
-        def _refuse(self, status: int, message: str, reason: str,
-                    retry_after: bool = False) -> None:
-            metrics.closed.labels(reason=reason).inc()
+        def _refuse(self, error: ApiError) -> None:
+            """Answer before any route ran (OpenAI's shape: no route chose one) and close."""
             if self.transport.is_closing():
+                metrics.error_answered(error, UNROUTED)  # nobody left to answer; still counted
                 return
-            log.info("edge.refused", status=status, reason=reason, client=self.client)
-            body = msgspec.json.encode({"error": {
-                "message": message, "type": "invalid_request_error" if status < 500
-                else "service_unavailable", "param": None, "code": reason}})
-            head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-                    f"content-length: {len(body)}\r\nconnection: close\r\n"
-                    + ("retry-after: 1\r\n" if retry_after else "") + "\r\n")
-            self.transport.write(head.encode("ascii") + body)
+            self.transport.write(error_answer(error, OPENAI, None, metrics,
+                                              peer=self.client).http1())
             self.transport.close()
             self._disarm_head_timer()
 

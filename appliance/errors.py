@@ -1,17 +1,19 @@
-"""The exceptions the API answers with, and the one place foreign failures become them.
+"""The exceptions the API answers with; appliance.error_answer writes each one as its answer.
 
 ApiError                         any refusal or failure a client is told about
 ├── BadRequest (400)             malformed body, wrong types, policy refusals naming a param
 ├── Unauthorized (401)
 ├── Forbidden (403)              a client's key does not allow the route
 ├── NotFound (404)
-├── RequestTimeout (408)         the body did not arrive within its time
+├── RequestTimeout (408)         the head or the body did not arrive within its time
 ├── PayloadTooLarge (413)
+├── HeadersTooLarge (431)        the request head's bytes or header count (the edge)
 ├── UnsupportedMediaType (415)   a generation request whose body is not JSON
 ├── TooManyRequests (429)        admission; carries Retry-After
-├── InternalError (500)          a bug of ours: logged with its traceback, counted
+├── InternalError (500)          a bug of ours (`bug`: the exception): logged with its traceback
 ├── UpstreamError (the worker's status)  the worker refused or failed; its message, our shape
-└── EngineUnavailable (503)      engine not ready, restarting, lost mid-request; carries Retry-After
+└── ServiceUnavailable (503)     too many connections; carries Retry-After
+    └── EngineUnavailable (503)  engine not ready, restarting, lost mid-request
 
 How an ApiError is written on the wire (OpenAI's shape, Anthropic's) is the route's choice:
 see appliance.apis.shape.
@@ -25,6 +27,7 @@ class ApiError(Exception):
 
     status = 500
     kind = "server_error"  # the OpenAI `type`; shapes map it to their own vocabulary
+    bug: BaseException | None = None  # the exception of ours behind an InternalError
 
     def __init__(
         self,
@@ -92,6 +95,11 @@ class PayloadTooLarge(_BodyLeftUnread):
     kind = "invalid_request_error"
 
 
+class HeadersTooLarge(ApiError):
+    status = 431
+    kind = "invalid_request_error"
+
+
 class UnsupportedMediaType(ApiError):
     status = 415
     kind = "invalid_request_error"
@@ -107,9 +115,13 @@ class InternalError(ApiError):
     kind = "server_error"
 
 
-class EngineUnavailable(ApiError):
+class ServiceUnavailable(ApiError):
     status = 503
     kind = "service_unavailable"
+
+
+class EngineUnavailable(ServiceUnavailable):
+    pass
 
 
 class UpstreamError(ApiError):
@@ -137,3 +149,11 @@ def engine_unavailable(state: str, retry_after_s: int) -> EngineUnavailable:
 def engine_lost(retry_after_s: int) -> EngineUnavailable:
     return EngineUnavailable("the engine stopped while answering this request; retry shortly",
                              code="engine_lost", retry_after_s=retry_after_s, reason="engine_lost")
+
+
+def internal_error(bug: BaseException) -> InternalError:
+    """A bug of ours as the client's answer; the log line (with the request id) has the rest."""
+    error = InternalError("internal error; the request id is in the appliance's log",
+                          code="internal_error", reason="internal_error")
+    error.bug = error.__cause__ = bug
+    return error

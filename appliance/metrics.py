@@ -101,20 +101,15 @@ class RequestMetrics:
     def disconnected(self, stream: bool) -> None:
         self.disconnects.labels(stream="true" if stream else "false").inc()
 
-    def rejected(self, error: ApiError) -> None:
+    def error_answered(self, error: ApiError, route: str) -> None:
+        """Every error answer counts as a rejection by its reason; a bug of ours also by route
+        (appliance.error_answer logs it)."""
         self.rejections.labels(reason=error.reason, client=CLIENT_NAME.get()).inc()
+        if error.bug is not None:
+            self.unhandled_exceptions.labels(route=route).inc()
 
     def clamped(self) -> None:
         self.clamps.inc()
-
-    def set_in_flight(self, count: int) -> None:
-        self.in_flight.set(count)
-
-    def unhandled(self, route: str, exc: BaseException) -> None:
-        """A bug: counted, and logged once with its traceback (request id bound by context)."""
-        self.unhandled_exceptions.labels(route=route).inc()
-        log.error("request.unhandled_exception", route=route, error=type(exc).__name__,
-                  exc_info=exc)
 
     def render(self) -> tuple[bytes, str]:
         return _generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -19,10 +19,11 @@ from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
-from appliance.apis.shape import ErrorShape, StreamSoFar, encode, upstream_error
+from appliance.apis.shape import ErrorShape, StreamSoFar, upstream_error
 from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
-from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
+from appliance.error_answer import error_answer, stream_error_end
+from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
 from appliance.gate.gate import Gate, Vetted
 from appliance.metrics import RequestMetrics
 from appliance.upstream import Reply, Upstream
@@ -31,7 +32,6 @@ PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
 
 log = structlog.get_logger("appliance.relay")
 
-_JSON = (b"content-type", b"application/json")
 _NO_CACHE = (b"cache-control", b"no-cache")
 
 
@@ -143,9 +143,7 @@ class Relay:
         except ApiError as error:
             await self._fail(send, error)
         except Exception as exc:  # a bug of ours: one log line with the traceback, a 500
-            deps.metrics.unhandled(self._route, exc)
-            await self._fail(send, InternalError("internal error; the request id is in the "
-                                                 "appliance's log", code="internal_error"))
+            await self._fail(send, internal_error(exc))
 
     async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> Message:
         """Relays the answer but its last message, which it returns."""
@@ -229,30 +227,16 @@ class Relay:
 
     async def _fail(self, send: Send, error: ApiError) -> None:
         """The error as the answer, or as the stream's last event if the head already went."""
-        self._deps.metrics.rejected(error)
-        if error.status >= 500:
-            log.warning("request.failed", status=error.status, code=error.code,
-                        detail=error.message[:200], streaming=self._started)
-        else:
-            log.info("request.rejected", status=error.status, code=error.code, param=error.param,
-                     reason=error.reason)
+        metrics = self._deps.metrics
         try:
             if self._started:
-                await send({"type": "http.response.body", "body": self._shape.stream_end(error, self._so_far),
-                            "more_body": False})
+                end = stream_error_end(error, self._shape, self._so_far, metrics, route=self._route)
+                await send({"type": "http.response.body", "body": end, "more_body": False})
                 return
-            await send_error(send, self._shape, error, self._request_id)
+            await error_answer(error, self._shape, self._request_id, metrics,
+                               route=self._route).send(send)
         except OSError:
             log.info("request.client_gone_before_error")  # nothing left to tell anyone
-
-
-async def send_error(send: Send, shape: ErrorShape, error: ApiError, request_id: str) -> None:
-    headers = [_JSON, (b"x-request-id", request_id.encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
-    start: Message = {"type": "http.response.start", "status": error.status, "headers": headers}
-    await send(start)
-    await send({"type": "http.response.body", "body": encode(shape, error, request_id),
-                "more_body": False})
 
 
 def _encode_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

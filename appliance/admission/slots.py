@@ -44,14 +44,12 @@ class _Waiter:
 class Admission:
     """In-flight slots; `slot()` is the only way to take one, and its exit the only release."""
 
-    def __init__(self, max_inflight: int, on_change: Callable[[int], None] = lambda _: None, *,
-                 queue_max: int = 0, queue_wait_s: float = 0.0, headroom: int = 0,
+    def __init__(self, max_inflight: int, *, queue_max: int = 0, queue_wait_s: float = 0.0, headroom: int = 0,
                  default_priority: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self._max = max_inflight
         self._headroom = headroom
         self._default_priority = default_priority
         self._in_flight = 0
-        self._on_change = on_change
         self._queue_max = queue_max
         self._wait_s = queue_wait_s
         self._clock = clock
@@ -112,7 +110,6 @@ class Admission:
         if self._in_flight < self._capacity(client.priority) and (
                 best_waiting is None or best_waiting > client.priority):
             self._in_flight += 1
-            self._on_change(self._in_flight)
             return
         if self._queue_max == 0 or self._wait_s <= 0:
             raise TooManyRequests(f"more than {self._max} requests in flight; retry shortly",
@@ -164,7 +161,6 @@ class Admission:
             waiter.future.set_result(None)  # the slot passes on: in_flight is unchanged
             return
         self._in_flight -= 1
-        self._on_change(self._in_flight)
 
     def _refusal(self, code: str, why: str) -> TooManyRequests:
         retry_after_s = self.retry_after_s()
