@@ -18,7 +18,6 @@ from appliance.apis.batch import routes as batch
 from appliance.apis.openai import routes as openai
 from appliance.apis.openai.api import OPENAI
 from appliance.apis.responses import routes as responses
-from appliance.apis.responses.response_ids import ResponseIds
 from appliance.apis.shape import ErrorShape
 from appliance.apis.tokenizer import routes as tokenizer
 from appliance.context import REQUEST_ID, request_context
@@ -106,16 +105,16 @@ def create_app(
 
 
 def _api_routers(settings: Settings, relay: RelayDeps, clients: Roster) -> list[Router]:
-    """The API's route families, each behind the key guard its protocol's clients expect."""
-    deps = RouteDeps(relay, settings.server)
-    response_ids = ResponseIds(relay.engine, settings.policy.max_tracked_responses)
-    background = settings.policy.allow_background_responses
+    """The API families' routes, each behind the key guard its protocol's clients expect, and
+    answered only while the engine serves. A new family is one line here."""
+    deps = RouteDeps(relay, settings.server, settings.policy)
+    ready = guards.ready_guard(relay.engine)
     api = Router("/", route_handlers=[*openai.routes(deps), *batch.routes(deps),
-                                      *responses.routes(deps, response_ids, background),
-                                      *tokenizer.routes(deps)], guards=[guards.key_guard(clients)])
+                                      *responses.routes(deps), *tokenizer.routes(deps)],
+                 guards=[guards.key_guard(clients), ready])
     # Anthropic's SDK sends its key as x-api-key: accepted on its routes, as Bearer is.
     anthropic_api = Router("/", route_handlers=anthropic.routes(deps),
-                           guards=[guards.key_guard(clients, x_api_key=True)])
+                           guards=[guards.key_guard(clients, x_api_key=True), ready])
     return [api, anthropic_api]
 
 

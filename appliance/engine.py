@@ -6,8 +6,6 @@ import enum
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from appliance.errors import engine_unavailable
-
 
 class EngineState(enum.StrEnum):
     STARTING = "starting"
@@ -48,8 +46,3 @@ class EngineView(Protocol):
         """Health detail: state, pid, uptime, restarts, last exit cause, GPU summary."""
         ...
 
-
-def require_ready(engine: EngineView) -> None:
-    """503 with Retry-After, before any work is done for a request, unless the engine serves."""
-    if engine.state is not EngineState.READY:
-        raise engine_unavailable(engine.state.value, engine.retry_after_s())

@@ -9,7 +9,6 @@ answer, after it the protocol's own stream ending, so no request is left without
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +23,9 @@ from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
 from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
-from appliance.gate.gate import Gate, Vetted
-from appliance.metrics import RequestMetrics
+from appliance.gate.gate import Gate
+from appliance.metrics import RequestMetrics, arrived_at
+from appliance.outbound import Outbound
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -103,34 +103,31 @@ def _nothing() -> None:
 
 
 class Relay:
-    """The ASGI answer to one vetted generation request."""
+    """The ASGI answer to one request for the worker (vetted, or passed through)."""
 
-    def __init__(self, vetted: Vetted, deps: RelayDeps, request_id: str,
+    def __init__(self, outbound: Outbound, deps: RelayDeps, request_id: str,
                  forward: dict[str, str]) -> None:
-        self._vetted = vetted
+        self._outbound = outbound
         self._deps = deps
         self._request_id = request_id
         self._forward = forward  # request headers passed on to the worker
-        self._shape: ErrorShape = vetted.api.shape
-        self._so_far = StreamSoFar(vetted.payload)  # what a stream's ending must know
+        self._shape: ErrorShape = outbound.shape
+        self._so_far = StreamSoFar(outbound.payload)  # what a stream's ending must know
         self._started = False  # the head has gone to the client
         self._sending = False  # a chunk is on its way through ASGI: none may pass it
-        self._first_at: float | None = None  # perf_counter of the head, until the first chunk
+        self._first_at: float | None = None  # the request's arrival, until the first chunk
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
         self._link = client_link(scope)
+        self._arrived = arrived_at(scope)
         watch = Watch(receive, deps.engine, self._link)
-        vetted = self._vetted
-        # A route the engine does no generation work for takes no slot and is not metered.
-        slot: contextlib.AbstractAsyncContextManager[Meter] = (
-            deps.admission.slot(vetted.client, len(vetted.raw)) if vetted.api.admitted
-            else contextlib.nullcontext(Meter(enabled=False)))
+        outbound = self._outbound
         try:
             with watch:
-                async with slot as meter:
-                    await deps.gate.fit_budget(self._vetted)
+                async with outbound.slot(deps.admission) as meter:
+                    await outbound.fit_budget(deps.gate)
                     last = await self._exchange(send, watch, meter)
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
@@ -147,18 +144,18 @@ class Relay:
 
     async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> Message:
         """Relays the answer but its last message, which it returns."""
-        vetted, deps = self._vetted, self._deps
-        body = vetted.body()
+        outbound, deps = self._outbound, self._deps
+        body = outbound.body()
         headers = {"x-request-id": self._request_id, **self._forward}
         if body is not None:
             headers["content-type"] = "application/json"
-        if vetted.priority is not None:  # vLLM reads it on every generation route, over the body
-            headers[PRIORITY_HEADER] = str(vetted.priority)
-        async with deps.upstream.exchange(vetted.method, vetted.target, body, headers) as reply:
+        if outbound.priority is not None:  # vLLM reads it on every generation route
+            headers[PRIORITY_HEADER] = str(outbound.priority)
+        async with deps.upstream.exchange(outbound.method, outbound.target, body, headers) as reply:
             if reply.status >= 300:
                 error = upstream_error(reply.status, await reply.read())
-                raise vetted.refine(error) if vetted.refine is not None else error
-            if vetted.stream:
+                raise outbound.refine(error) if outbound.refine is not None else error
+            if outbound.stream:
                 return await self._stream(send, reply, watch, meter)
             body = await reply.read()
             meter.read_body(body)
@@ -167,14 +164,14 @@ class Relay:
             return {"type": "http.response.body", "body": body, "more_body": False}
 
     async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> Message:
-        self._first_at = time.perf_counter()
+        self._first_at = self._arrived  # time to first token counts the queue and the prefill
         await self._head(send, reply)
         if self._link is not None and not meter.enabled:
             # Each event straight from the worker's connection to the client's while the
             # client keeps up; what it cannot take yet comes through the loop below.
             reply.forward(self._write_direct)
         held = b""  # once the whole answer is here, the last of it goes out with the end
-        async for chunk in meter.tap(reply.chunks(), strip=self._vetted.usage_added):
+        async for chunk in meter.tap(reply.chunks(), strip=self._outbound.usage_added):
             self._relayed(chunk)
             if held:
                 await self._send_chunk(send, held)
@@ -208,8 +205,8 @@ class Relay:
         self._so_far.relayed(chunk)
 
     async def _head(self, send: Send, reply: Reply) -> None:
-        headers = reply.headers + _encode_headers(self._vetted.headers)
-        if self._vetted.stream:
+        headers = reply.headers + _encode_headers(self._outbound.headers)
+        if self._outbound.stream:
             headers.append(_NO_CACHE)
         headers.append((b"x-request-id", self._request_id.encode("latin-1")))
         self._started = True
@@ -217,8 +214,8 @@ class Relay:
 
     async def _interrupted(self, send: Send, reason: str) -> None:
         if reason == "client_disconnected":
-            self._deps.metrics.disconnected(self._vetted.stream)
-            log.info("request.client_disconnected", stream=self._vetted.stream)
+            self._deps.metrics.disconnected(self._outbound.stream)
+            log.info("request.client_disconnected", stream=self._outbound.stream)
             return  # nobody is listening; leaving the exchange closed the upstream
         retry_after_s = self._deps.engine.retry_after_s()
         # Before the head the client got nothing: the engine was unavailable to it.

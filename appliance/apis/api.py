@@ -1,58 +1,91 @@
-"""What every API the gate and the relay serve is described by: one GenerationApi per API.
+"""What an API is to the gate, the budget fitter and the relay: one object per worker route.
 
-Each API family has its folder under appliance/apis/ (its API objects, its own rules, its error
-shape, its routes); a new route that makes the engine work is one GenerationApi there plus one
-handler in its routes module.
+Each API family has its folder under appliance/apis/<family>/: `api.py` holds its API objects
+(subclasses of GenerationApi: how a body is screened, validated, bounded and rewritten, and how
+its prompt is counted with the worker), its error shape and stream ending (an ErrorShape);
+`routes.py` wires them to routes, one line per route. A worker route relayed as it is, with
+nothing to vet, is a WorkerRoute: it never passes the gate and takes no admission slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import msgspec
 
-from appliance import policy
+from appliance.apis.counting import Limits, PromptCounter
 from appliance.apis.shape import ErrorShape
-from appliance.policy import fields
-from appliance.settings import Settings
+from appliance.policy import MediaPart
+from appliance.policy.fanout import check_conversation, check_message_count, check_prompts
+from appliance.settings import PolicySettings, Settings
 
-# How a prompt is counted exactly for the budget clamp, each with the worker's own renderer:
-# "messages": /tokenize with the chat template; "prompt": /tokenize of raw prompts;
-# "conversations": each conversation of a batch as "messages"; "responses": the worker's
-# /v1/responses/render; "anthropic": the worker's /v1/messages/count_tokens;
-# "none": the route has no completion budget.
-PromptKind = Literal["messages", "prompt", "conversations", "responses", "anthropic", "none"]
 
-# An API's own rules beyond the common ones; each returns whether it changed the body, so that
-# the gate knows to re-encode it.
-ApiRules = Callable[[dict[str, Any], Settings], bool]
+class GenerationApi:
+    """A worker route that makes the engine work (it takes an admission slot).
+
+    The defaults describe an API with no screening before the parse, the common bound on a
+    list of prompts, no media, no rules of its own and no completion budget; a subclass says
+    what its protocol adds."""
+
+    name: ClassVar[str]  # the route's name, its metric and log label
+    path: ClassVar[str]  # the worker's route (the appliance serves it at the same path)
+    shape: ClassVar[ErrorShape]
+    fields: ClassVar[type[msgspec.Struct]]  # the JSON type of every field vLLM reads
+    budget_fields: ClassVar[tuple[str, ...]] = ()  # the engine obeys the first one present
+    # A stream reports its usage only when `stream_options.include_usage` asks (OpenAI's chat
+    # and completions); the other APIs always report it.
+    usage_on_request: ClassVar[bool] = False
+
+    def screen(self, raw: bytes, limits: PolicySettings) -> None:
+        """Bounds checked on the raw bytes, before parsing costs anything."""
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        """The protocol's own shape of a body: required fields and their values."""
+        raise NotImplementedError
+
+    def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
+        """How much work the body holds, bounded."""
+        check_prompts(body, limits.max_batch_prompts)
+
+    def media(self, body: Mapping[str, Any]) -> list[MediaPart] | None:
+        """The media the body would make the worker fetch or decode; None: none possible."""
+        return None
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """The API's own policy on the body (tools, thinking, template defaults...); whether
+        it changed the body, so that the gate re-encodes it."""
+        return False
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        """A cheap upper bound of the prompt's tokens, or infinity where none is cheap."""
+        return math.inf
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        """The prompt's exact length (the longest, for a batch); None if the worker cannot say."""
+        return None
+
+
+class ConversationApi(GenerationApi):
+    """An API whose body is one conversation under `messages`: bounded in messages."""
+
+    def screen(self, raw: bytes, limits: PolicySettings) -> None:
+        check_message_count(raw, limits.max_messages)
+
+    def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
+        super().check_size(body, limits)
+        check_conversation(body, limits.max_messages)
 
 
 @dataclass(frozen=True)
-class GenerationApi:
-    name: str  # the metric and log label
-    path: str  # the worker's route
-    validate: Callable[[Mapping[str, Any]], None]
-    fields: type[msgspec.Struct]  # the JSON type of every field vLLM reads
-    budget_fields: tuple[str, ...]  # the engine obeys the first one present
-    prompt: PromptKind
-    shape: ErrorShape
-    find_media: Callable[[Mapping[str, Any]], list[policy.MediaPart]] | None = None
-    rules: ApiRules | None = None  # the API's own rules: tools, thinking, ...
-    admitted: bool = True  # takes an admission slot: the engine works for it
-    # A stream reports its usage only when `stream_options.include_usage` asks (OpenAI's chat
-    # and completions); the other APIs always report it.
-    usage_on_request: bool = False
-
-
-def _no_body(_: Mapping[str, Any]) -> None:
-    """A route relayed without a body to check (a GET, a cancel)."""
-
-
-def relayed(name: str, path: str, shape: ErrorShape) -> GenerationApi:
-    """A route the relay forwards as it is: nothing to vet, no budget, no admission slot (the
+class WorkerRoute:
+    """A worker route relayed as it is: nothing to vet, no budget, no admission slot (the
     engine does no generation work for it)."""
-    return GenerationApi(name=name, path=path, validate=_no_body, fields=fields.NoFields,
-                         budget_fields=(), prompt="none", shape=shape, admitted=False)
+
+    name: str  # the route's name, its metric and log label
+    path: str  # the worker's route, `{id}` where a path parameter goes
+    shape: ErrorShape

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import structlog
 
 from appliance import policy
 from appliance.admission.clients import ANYONE, Client
+from appliance.admission.slots import Admission
+from appliance.admission.usage import Meter
 from appliance.apis.api import GenerationApi
-from appliance.errors import ApiError, BadRequest
+from appliance.apis.shape import ErrorShape
+from appliance.errors import ApiError
 from appliance.gate.budget import BudgetFitter
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.fields import check_fields
@@ -29,22 +33,21 @@ from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
 
-_CONVERSATIONS = ("messages", "anthropic")  # APIs whose body is one list of messages
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image_token_id")
 
 
 @dataclass
 class Vetted:
-    """A request that passed the rules: what to forward, and what the gate did to it."""
+    """A request that passed the rules: what to forward, and what the gate did to it. The
+    relay sends it (appliance.relay.Outbound) holding an admission slot."""
 
+    method: ClassVar[str] = "POST"
     api: GenerationApi
     payload: dict[str, Any]
     raw: bytes
     changed: bool = False  # a rule rewrote the body: it is re-encoded, else forwarded as sent
     defaulted: bool = False  # the budget is the configured default
     headers: dict[str, str] = field(default_factory=dict)  # for the client's answer
-    method: str = "POST"
-    path: str | None = None  # the worker's route when not the API's own (a path parameter)
     # The route's own reading of a worker's refusal (a response id lost in a restart).
     refine: Callable[[ApiError], ApiError] | None = None
     client: Client = ANYONE
@@ -52,17 +55,27 @@ class Vetted:
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
 
     @property
+    def shape(self) -> ErrorShape:
+        return self.api.shape
+
+    @property
     def stream(self) -> bool:
         return self.payload.get("stream") is True
 
     @property
     def target(self) -> str:
-        return self.path or self.api.path
+        return self.api.path
 
-    def body(self) -> bytes | None:
-        if self.method == "GET" or not (self.raw or self.changed):
-            return None
+    def body(self) -> bytes:
         return msgspec.json.encode(self.payload) if self.changed else self.raw
+
+    def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
+        """The engine works for it: it holds a slot, its usage metered there."""
+        return admission.slot(self.client, len(self.raw))
+
+    def fit_budget(self, gate: Gate) -> Awaitable[None]:
+        """Once it holds its slot: its budget fitted to the window's room."""
+        return gate.fit_budget(self)
 
 
 class Gate:
@@ -72,7 +85,7 @@ class Gate:
                  on_clamp: Callable[[], None] = lambda: None) -> None:
         self._settings = settings
         self._on_clamp = on_clamp
-        self._rules = settings.policy
+        self._policy = settings.policy
         self._budget = budget
         self._multimodal = _is_multimodal(settings)
         self._big_bodies = asyncio.Semaphore(1)
@@ -88,22 +101,21 @@ class Gate:
 
     def vet_now(self, raw: bytes, api: GenerationApi, client: Client = ANYONE) -> Vetted:
         """Every rule that needs only the body; raises the first refusal as an ApiError."""
-        rules = self._rules
-        if api.prompt in _CONVERSATIONS:
-            _check_message_count(raw, rules.max_messages)
+        limits = self._policy
+        api.screen(raw, limits)
         body = policy.parse_json(raw)
         api.validate(body)
         check_fields(body, api.fields)
-        policy.check_n(body, rules.max_n)
-        _check_fanout(body, api, rules.max_batch_prompts)
-        _check_conversation(body, api, rules.max_messages)
-        if api.find_media is not None:
-            policy.check_media(api.find_media(body), multimodal=self._multimodal,
-                               max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
-                               allowed_hosts=rules.allowed_media_hosts)
-        changed = api.rules(body, self._settings) if api.rules is not None else False
+        policy.check_n(body, limits.max_n)
+        api.check_size(body, limits)
+        media = api.media(body)
+        if media is not None:
+            policy.check_media(media, multimodal=self._multimodal, max_images=limits.max_images,
+                               max_image_bytes=limits.max_image_bytes,
+                               allowed_hosts=limits.allowed_media_hosts)
+        changed = api.adjust(body, self._settings)
         defaulted = bool(api.budget_fields) and apply_default_budget(
-            body, api.budget_fields, rules.default_max_tokens)
+            body, api.budget_fields, limits.default_max_tokens)
         vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
                         client=client)
         self._apply_client(vetted)
@@ -118,7 +130,7 @@ class Gate:
             vetted.headers[CLAMP_HEADER] = header_value(clamp)
             self._on_clamp()
         dropped = False
-        if self._engine_priority and vetted.api.admitted:
+        if self._engine_priority:
             vetted.priority = client.priority
             dropped = drop_priority(body)
         vetted.usage_added = (client.tokens_per_minute is not None
@@ -137,42 +149,6 @@ class Gate:
         self._on_clamp()
         log.info("request.max_tokens_clamped", field=clamp.field, requested=clamp.requested,
                  applied=clamp.applied, defaulted=clamp.defaulted)
-
-
-def _check_message_count(raw: bytes, max_messages: int) -> None:
-    """Refuse an absurd number of messages before parsing them (parsing costs the loop).
-
-    Every message has a "role" key, and inside a JSON string a quote is escaped, so counting
-    `"role"` in the raw bytes bounds the message count from above, at memchr speed. The exact
-    count is checked again once parsed."""
-    if raw.count(b'"role"') > max_messages:
-        raise BadRequest(f"'messages' holds more than {max_messages} messages (setting "
-                         "policy.max_messages).", param="messages", code="too_many_messages")
-
-
-def _check_conversation(body: dict[str, Any], api: GenerationApi, max_messages: int) -> None:
-    """A conversation is bounded too: each message is template work and prompt tokens."""
-    messages = body.get("messages")
-    if api.prompt in _CONVERSATIONS and isinstance(messages, list) \
-            and len(messages) > max_messages:
-        raise BadRequest(f"'messages' holds {len(messages)} messages; at most {max_messages} "
-                         "are accepted (setting policy.max_messages).", param="messages",
-                         code="too_many_messages")
-
-
-def _check_fanout(body: dict[str, Any], api: GenerationApi, max_prompts: int) -> None:
-    """A batch of prompts (or of conversations) is bounded: each one is a sequence for the
-    engine to prefill."""
-    key = "messages" if api.prompt == "conversations" else "prompt"
-    prompts = body.get(key)
-    if key == "prompt" and not (isinstance(prompts, list) and prompts
-                                and not isinstance(prompts[0], int)):
-        return
-    if isinstance(prompts, list) and len(prompts) > max_prompts:
-        what = "conversations" if key == "messages" else "prompts"
-        raise BadRequest(f"'{key}' holds {len(prompts)} {what}; at most {max_prompts} are "
-                         "accepted per request (setting policy.max_batch_prompts).",
-                         param=key, code="too_many_prompts")
 
 
 def _is_multimodal(settings: Settings) -> bool:

@@ -1,4 +1,4 @@
-"""Who may call what: declared on routers, so a route cannot forget to check."""
+"""Who may call what, and when: declared on routers, so a route cannot forget to check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from litestar.types import Guard
 
 from appliance.admission.clients import ANYONE, Client, Roster
 from appliance.context import bind_client
-from appliance.errors import Forbidden
+from appliance.engine import EngineState, EngineView
+from appliance.errors import Forbidden, engine_unavailable
 
 _CLIENT = "appliance.client"  # where the guard leaves the client in the request's scope state
 
@@ -43,3 +44,14 @@ def client_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Client:
     state = connection.scope.get("state") or {}
     client = state.get(_CLIENT, ANYONE)
     return client if isinstance(client, Client) else ANYONE
+
+
+def ready_guard(engine: EngineView) -> Guard:
+    """503 with Retry-After, before any work is done for a request, unless the engine serves;
+    in the route's error shape, as every refusal of a guard is."""
+
+    async def guard(_: ASGIConnection, __: BaseRouteHandler) -> None:  # type: ignore[type-arg]
+        if engine.state is not EngineState.READY:
+            raise engine_unavailable(engine.state.value, engine.retry_after_s())
+
+    return guard

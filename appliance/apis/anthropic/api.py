@@ -3,10 +3,12 @@ error shape and stream ending."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
-from appliance.apis.api import GenerationApi
+from appliance.apis.api import ConversationApi, GenerationApi
+from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.shape import StreamSoFar, sse_event
 from appliance.errors import ApiError
 from appliance.policy import fields, surface
@@ -48,22 +50,65 @@ def anthropic_type(status: int) -> str:
 ANTHROPIC = AnthropicShape()
 
 
-def anthropic_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """Anthropic Messages: tools as for chat (in Anthropic's tool_choice vocabulary); its
-    `thinking` is vLLM's own; template defaults under the client's chat_template_kwargs."""
-    policy.check_tools(_as_chat(body), tool_parser=settings.engine.tool_call_parser)
-    return anthropic_count_rules(body, settings)
+# What changes how an Anthropic conversation is rendered, as count_tokens takes it.
+_COUNTED_KEYS = ("model", "messages", "system", "tools", "tool_choice", "thinking",
+                 "output_config", "chat_template_kwargs")
 
 
-def anthropic_count_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """count_tokens renders what /v1/messages would: the same template arguments."""
-    limits = settings.policy
-    thinking = body.get("thinking")
-    chose_thinking = isinstance(thinking, dict) and thinking.get("type") == "enabled"
-    return apply_template_defaults(
-        body, limits.default_chat_template_kwargs,
-        thinking_off=limits.disable_thinking_with_tools and tools_active(_as_chat(body))
-        and not chose_thinking)
+class CountTokensApi(GenerationApi):
+    """/v1/messages/count_tokens: it renders what /v1/messages would, so it gets the same
+    template arguments and media checks; it has no budget."""
+
+    name, path, shape = "count_tokens", "/v1/messages/count_tokens", ANTHROPIC
+    fields = fields.CountTokensFields
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_count_tokens(body)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_anthropic_media(body)  # rendering fetches media as generating does
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """Template defaults under the client's chat_template_kwargs; thinking off with tools
+        unless the body chose it."""
+        limits = settings.policy
+        thinking = body.get("thinking")
+        chose_thinking = isinstance(thinking, dict) and thinking.get("type") == "enabled"
+        return apply_template_defaults(
+            body, limits.default_chat_template_kwargs,
+            thinking_off=limits.disable_thinking_with_tools and tools_active(_as_chat(body))
+            and not chose_thinking)
+
+
+class MessagesApi(ConversationApi):
+    """/v1/messages: counted by the worker's own /v1/messages/count_tokens."""
+
+    name, path, shape = "messages", "/v1/messages", ANTHROPIC
+    fields = fields.MessagesFields
+    budget_fields = ("max_tokens",)
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_messages(body)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_anthropic_media(body)
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """Tools as for chat (in Anthropic's tool_choice vocabulary); its `thinking` is
+        vLLM's own; the template arguments count_tokens gets."""
+        policy.check_tools(_as_chat(body), tool_parser=settings.engine.tool_call_parser)
+        return COUNT_TOKENS.adjust(body, settings)
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        messages = body.get("messages")
+        turns = (len(messages) if isinstance(messages, list) else 0) + 1  # and the system
+        return chat_bound(body, raw_len, limits, turns, multimodal)
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        counted = {k: body[k] for k in _COUNTED_KEYS if k in body}
+        return await counter.count("/v1/messages/count_tokens", counted, "input_tokens")
 
 
 def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -78,26 +123,5 @@ def _chat_tool_choice(body: dict[str, Any]) -> Any:
     return _ANTHROPIC_CHOICES.get(kind, choice) if isinstance(kind, str) else choice
 
 
-MESSAGES = GenerationApi(
-    name="messages",
-    path="/v1/messages",
-    validate=surface.validate_messages,
-    fields=fields.MessagesFields,
-    budget_fields=("max_tokens",),
-    prompt="anthropic",
-    shape=ANTHROPIC,
-    find_media=policy.find_anthropic_media,
-    rules=anthropic_rules,
-)
-
-COUNT_TOKENS = GenerationApi(
-    name="count_tokens",
-    path="/v1/messages/count_tokens",
-    validate=surface.validate_count_tokens,
-    fields=fields.CountTokensFields,
-    budget_fields=(),
-    prompt="none",
-    shape=ANTHROPIC,
-    find_media=policy.find_anthropic_media,  # rendering fetches media as generating does
-    rules=anthropic_count_rules,  # the template arguments /v1/messages gets
-)
+COUNT_TOKENS = CountTokensApi()
+MESSAGES = MessagesApi()

@@ -12,6 +12,6 @@ from appliance.routes.generation import RouteDeps, generation
 def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
     """Served under a router whose key guard also accepts `x-api-key` (Anthropic's header)."""
     return [
-        generation("/v1/messages", MESSAGES, deps),
-        generation("/v1/messages/count_tokens", COUNT_TOKENS, deps),
+        generation(MESSAGES, deps),
+        generation(COUNT_TOKENS, deps),
     ]

@@ -1,30 +1,72 @@
-"""vLLM's chat batch as the gate and the relay serve it."""
+"""vLLM's chat batch as the gate and the relay serve it: many conversations, one set of
+parameters, each conversation counted as a chat's messages."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import msgspec
 
 from appliance import policy
 from appliance.apis.api import GenerationApi
-from appliance.apis.openai.api import OPENAI, chat_rules
-from appliance.policy import fields, surface
-from appliance.policy.max_tokens import CHAT_BUDGET
-from appliance.settings import Settings
-
-
-def batch_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """A chat batch: one set of parameters for every conversation, so the chat's rules."""
-    return chat_rules(body, settings)
-
-
-BATCH_CHAT = GenerationApi(
-    name="chat_batch",
-    path="/v1/chat/completions/batch",
-    validate=surface.validate_batch_chat,
-    fields=fields.BatchChatFields,
-    budget_fields=CHAT_BUDGET,
-    prompt="conversations",
-    shape=OPENAI,
-    find_media=policy.find_batch_media_parts,
-    rules=batch_rules,
+from appliance.apis.counting import (
+    TEMPLATE_KEYS,
+    Limits,
+    PromptCounter,
+    chat_bound,
+    rendered_bound,
 )
+from appliance.apis.openai.api import CHAT, OPENAI
+from appliance.policy import fields, surface
+from appliance.policy.fanout import check_conversations
+from appliance.policy.max_tokens import CHAT_BUDGET
+from appliance.settings import PolicySettings, Settings
+
+
+class BatchChatApi(GenerationApi):
+    """/v1/chat/completions/batch."""
+
+    name, path, shape = "chat_batch", "/v1/chat/completions/batch", OPENAI
+    fields = fields.BatchChatFields
+    budget_fields = CHAT_BUDGET
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_batch_chat(body)
+
+    def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
+        check_conversations(body, limits.max_batch_prompts)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_batch_media_parts(body)
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """One set of parameters for every conversation, so the chat's rules."""
+        return CHAT.adjust(body, settings)
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        turns = max((len(c) for c in body.get("messages") or [] if isinstance(c, list)),
+                    default=0)
+        return chat_bound(body, raw_len, limits, turns, multimodal)
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        """The longest conversation: each one that might not fit is counted as chat messages."""
+        shared = {k: body[k] for k in TEMPLATE_KEYS if k in body and k != "messages"}
+        bounds = [(conversation, rendered_bound(shared, len(msgspec.json.encode(conversation)),
+                                                limits, len(conversation)))
+                  for conversation in body.get("messages") or []]
+        uncounted = [c for c, bound in bounds if budget + bound > limits.window]
+        counter.check_counted(len(uncounted), "messages", "conversations")
+        longest = max((int(bound) for c, bound in bounds if budget + bound <= limits.window),
+                      default=0)
+        for conversation in uncounted:
+            size = await counter.tokenize(shared | {"messages": conversation})
+            if size is None:
+                return None
+            longest = max(longest, size)
+        return longest
+
+
+BATCH_CHAT = BatchChatApi()

@@ -9,4 +9,4 @@ from appliance.routes.generation import RouteDeps, generation
 
 
 def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
-    return [generation("/v1/chat/completions/batch", BATCH_CHAT, deps)]
+    return [generation(BATCH_CHAT, deps)]

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from appliance import policy
-from appliance.apis.api import GenerationApi
+from appliance.apis.api import ConversationApi, GenerationApi
+from appliance.apis.counting import (
+    SAFETY_TOKENS,
+    TEMPLATE_KEYS,
+    Limits,
+    PromptCounter,
+    chat_bound,
+)
 from appliance.apis.shape import StreamSoFar
 from appliance.errors import ApiError
 from appliance.policy import fields
@@ -34,34 +42,79 @@ class OpenAIShape:
 OPENAI = OpenAIShape()
 
 
-def chat_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """Chat: tool calls need a parser; the thinking switch and template defaults."""
-    limits = settings.policy
-    policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
-    return policy.apply_thinking(body, default_kwargs=limits.default_chat_template_kwargs,
-                                 disable_with_tools=limits.disable_thinking_with_tools)
+class ChatApi(ConversationApi):
+    """/v1/chat/completions: one conversation; counted by /tokenize with the chat template."""
+
+    name, path, shape = "chat", "/v1/chat/completions", OPENAI
+    fields = fields.ChatFields
+    budget_fields = CHAT_BUDGET
+    usage_on_request = True
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        policy.validate_chat(body)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_media_parts(body)
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """Tool calls need a parser; the thinking switch and template defaults."""
+        limits = settings.policy
+        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
+        return policy.apply_thinking(body, default_kwargs=limits.default_chat_template_kwargs,
+                                     disable_with_tools=limits.disable_thinking_with_tools)
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        messages = body.get("messages")
+        turns = len(messages) if isinstance(messages, list) else 0
+        return chat_bound(body, raw_len, limits, turns, multimodal)
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        return await counter.tokenize({k: body[k] for k in TEMPLATE_KEYS if k in body})
 
 
-CHAT = GenerationApi(
-    name="chat",
-    path="/v1/chat/completions",
-    validate=policy.validate_chat,
-    fields=fields.ChatFields,
-    budget_fields=CHAT_BUDGET,
-    prompt="messages",
-    shape=OPENAI,
-    find_media=policy.find_media_parts,
-    rules=chat_rules,
-    usage_on_request=True,
-)
+class CompletionApi(GenerationApi):
+    """/v1/completions: a raw prompt, a list of them, or token ids; counted by /tokenize."""
 
-COMPLETION = GenerationApi(
-    name="completion",
-    path="/v1/completions",
-    validate=policy.validate_completion,
-    fields=fields.CompletionFields,
-    budget_fields=COMPLETION_BUDGET,
-    prompt="prompt",
-    shape=OPENAI,
-    usage_on_request=True,
-)
+    name, path, shape = "completion", "/v1/completions", OPENAI
+    fields = fields.CompletionFields
+    budget_fields = COMPLETION_BUDGET
+    usage_on_request = True
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        policy.validate_completion(body)
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        prompts = body.get("prompt")
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], list):
+            return max(len(p) for p in prompts)  # token ids: exact already
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            return len(prompts)
+        return limits.prompt_base + raw_len + SAFETY_TOKENS
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        """The longest prompt: each text that might not fit is counted, token ids are exact."""
+        prompts = body.get("prompt")
+        items = prompts if isinstance(prompts, list) and prompts and not isinstance(
+            prompts[0], int) else [prompts]
+        uncounted = [p for p in items if isinstance(p, str) and budget + limits.prompt_base
+                     + len(p.encode()) + SAFETY_TOKENS > limits.window]
+        counter.check_counted(len(uncounted), "prompt", "prompts")
+        longest = 0
+        for item in items:
+            if isinstance(item, list):
+                longest = max(longest, len(item))
+            elif isinstance(item, str):
+                size = (await counter.tokenize({"prompt": item}) if item in uncounted
+                        else limits.prompt_base + len(item.encode()))
+                if size is None:
+                    return None
+                longest = max(longest, size)
+        return longest
+
+
+CHAT = ChatApi()
+COMPLETION = CompletionApi()

@@ -12,7 +12,6 @@ from litestar.types import ASGIApp
 
 from appliance import policy
 from appliance.apis.openai.api import CHAT, COMPLETION
-from appliance.engine import require_ready
 from appliance.errors import BadRequest, NotFound, engine_unavailable
 from appliance.relay import RelayDeps
 from appliance.routes.generation import RouteDeps, generation, read_json_body, relay_for
@@ -23,8 +22,8 @@ from appliance.upstream import Upstream
 
 def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
     return [
-        generation("/v1/chat/completions", CHAT, deps),
-        generation("/v1/completions", COMPLETION, deps),
+        generation(CHAT, deps),
+        generation(COMPLETION, deps),
         invocations(deps),
         *model_routes(deps.relay.upstream, deps.relay),
     ]
@@ -37,7 +36,6 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
 
     @post("/invocations", name="invocations", status_code=200)
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
-        require_ready(relay.engine)
         raw = await read_json_body(request, server.body_timeout_s)
         body = policy.parse_json(raw)
         if body.get("messages") is None and body.get("prompt") is None \
@@ -54,12 +52,10 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
 def model_routes(upstream: Upstream, relay: RelayDeps) -> list[HTTPRouteHandler]:
     @get("/v1/models", name="models")
     async def models() -> Response[Any]:
-        require_ready(relay.engine)
         return Response(content=await _models(upstream, relay))
 
     @get("/v1/models/{model:path}", name="model")
     async def model(model: FromPath[str]) -> Response[Any]:
-        require_ready(relay.engine)
         wanted = model.lstrip("/")
         for entry in (await _models(upstream, relay))["data"]:
             if entry.get("id") == wanted:

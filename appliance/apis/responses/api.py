@@ -1,14 +1,17 @@
-"""The Responses API as the gate and the relay serve it, and its error shape and stream ending."""
+"""The Responses API as the gate and the relay serve it (create; retrieve and cancel relayed as
+they are), and its error shape and stream ending."""
 
 from __future__ import annotations
 
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
-from appliance.apis.api import GenerationApi, relayed
+from appliance.apis.api import GenerationApi, WorkerRoute
+from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.openai.api import OpenAIShape
 from appliance.apis.shape import StreamSoFar, sse_event
 from appliance.errors import ApiError, BadRequest
@@ -50,40 +53,54 @@ class ResponsesShape(OpenAIShape):
 RESPONSES = ResponsesShape()
 
 
-def responses_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """Responses: no background generation unless allowed, tools as for chat, template
-    defaults (its `reasoning` is vLLM's own), and a response id the appliance knows."""
-    limits = settings.policy
-    if body.get("background") is True and not limits.allow_background_responses:
-        raise BadRequest("'background' responses run on the engine with no client connection, "
-                         "outside admission control, and are off on this appliance (setting "
-                         "policy.allow_background_responses).", param="background",
-                         code="background_not_allowed")
-    policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
-    changed = apply_template_defaults(
-        body, limits.default_chat_template_kwargs,
-        thinking_off=limits.disable_thinking_with_tools and tools_active(body))
-    if not isinstance(body.get("request_id"), str) or not body["request_id"]:
-        # The worker names the response after it: known here, the id's worker can be told.
-        body["request_id"] = f"resp_{uuid.uuid4().hex}"
-        changed = True
-    return changed
+class ResponsesApi(GenerationApi):
+    """/v1/responses (create): counted by the worker's own /v1/responses/render."""
+
+    name, path, shape = "responses", "/v1/responses", RESPONSES
+    fields = fields.ResponsesFields
+    budget_fields = ("max_output_tokens",)
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_responses(body)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_responses_media(body)
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """No background generation unless allowed, tools as for chat, template defaults (its
+        `reasoning` is vLLM's own), and a response id the appliance knows."""
+        limits = settings.policy
+        if body.get("background") is True and not limits.allow_background_responses:
+            raise BadRequest("'background' responses run on the engine with no client "
+                             "connection, outside admission control, and are off on this "
+                             "appliance (setting policy.allow_background_responses).",
+                             param="background", code="background_not_allowed")
+        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
+        changed = apply_template_defaults(
+            body, limits.default_chat_template_kwargs,
+            thinking_off=limits.disable_thinking_with_tools and tools_active(body))
+        if not isinstance(body.get("request_id"), str) or not body["request_id"]:
+            # The worker names the response after it: known here, the id's worker can be told.
+            body["request_id"] = f"resp_{uuid.uuid4().hex}"
+            changed = True
+        return changed
+
+    def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,
+                     multimodal: bool) -> float:
+        items = body.get("input")
+        turns = (len(items) if isinstance(items, list) else 1) + 1  # and the instructions
+        return chat_bound(body, raw_len, limits, turns, multimodal)
+
+    async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
+                           counter: PromptCounter) -> int | None:
+        # The render refuses a budget above the window, as generating would: leave it out.
+        rendered = {k: v for k, v in body.items() if k not in self.budget_fields}
+        return await counter.render("/v1/responses/render", rendered)
 
 
-RESPONSES_CREATE = GenerationApi(
-    name="responses",
-    path="/v1/responses",
-    validate=surface.validate_responses,
-    fields=fields.ResponsesFields,
-    budget_fields=("max_output_tokens",),
-    prompt="responses",
-    shape=RESPONSES,
-    find_media=policy.find_responses_media,
-    rules=responses_rules,
-)
-
-RESPONSES_RETRIEVE = relayed("responses_retrieve", "/v1/responses/{id}", RESPONSES)
-RESPONSES_CANCEL = relayed("responses_cancel", "/v1/responses/{id}/cancel", RESPONSES)
+RESPONSES_CREATE = ResponsesApi()
+RESPONSES_RETRIEVE = WorkerRoute("responses_retrieve", "/v1/responses/{id}", RESPONSES)
+RESPONSES_CANCEL = WorkerRoute("responses_cancel", "/v1/responses/{id}/cancel", RESPONSES)
 
 
 def _last_sequence(so_far: StreamSoFar) -> int:

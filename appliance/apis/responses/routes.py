@@ -11,22 +11,23 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import FromPath, FromQuery
 from litestar.types import ASGIApp
 
-from appliance.apis.api import GenerationApi
+from appliance.apis.api import WorkerRoute
 from appliance.apis.responses.api import RESPONSES_CANCEL, RESPONSES_CREATE, RESPONSES_RETRIEVE
 from appliance.apis.responses.response_ids import ResponseIds
-from appliance.engine import require_ready
 from appliance.errors import BadRequest
 from appliance.gate.gate import Vetted
+from appliance.outbound import PassThrough
 from appliance.routes.generation import RouteDeps, generation, relay_for
 from appliance.routes.handlers import get, post
 
 SHAPE = {"shape": RESPONSES_CREATE.shape}
 
 
-def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRouteHandler]:
-    """`background`: whether background responses are allowed (only they can be streamed
-    again: vLLM breaks off the stream of any other stored response)."""
-    relay = deps.relay
+def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
+    """Background responses may be streamed again only where they are allowed (vLLM breaks
+    off the stream of any other stored response)."""
+    relay, background = deps.relay, deps.policy.allow_background_responses
+    ids = ResponseIds(relay.engine, deps.policy.max_tracked_responses)
 
     def prepare(vetted: Vetted) -> None:
         body = vetted.payload
@@ -35,17 +36,16 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
         previous = body.get("previous_response_id")
         vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
 
-    def stored(api: GenerationApi, response_id: str, method: str, query: str = "",
-               payload: dict[str, Any] | None = None) -> Vetted:
-        path = api.path.replace("{id}", quote(response_id, safe=""))
-        return Vetted(api, payload or {}, b"", method=method, path=path + query,
-                      refine=lambda error: ids.explain(error, response_id, "response_id"))
+    def stored(route: WorkerRoute, response_id: str, method: str, query: str = "",
+               payload: dict[str, Any] | None = None) -> PassThrough:
+        path = route.path.replace("{id}", quote(response_id, safe=""))
+        return PassThrough(route, method, path + query, payload or {},
+                           refine=lambda error: ids.explain(error, response_id, "response_id"))
 
     @get("/v1/responses/{response_id:str}", name=RESPONSES_RETRIEVE.name, opt=SHAPE)
     async def retrieve(request: Request[Any, Any, Any], response_id: FromPath[str],
                        stream: FromQuery[bool] = False,
                        starting_after: FromQuery[int | None] = None) -> ASGIApp:
-        require_ready(relay.engine)
         query = _retrieve_query(stream, starting_after, background)
         payload = {"stream": stream, "request_id": response_id}
         return relay_for(stored(RESPONSES_RETRIEVE, response_id, "GET", query, payload),
@@ -54,10 +54,9 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
     @post("/v1/responses/{response_id:str}/cancel", name=RESPONSES_CANCEL.name, opt=SHAPE,
           status_code=200)
     async def cancel(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ASGIApp:
-        require_ready(relay.engine)
         return relay_for(stored(RESPONSES_CANCEL, response_id, "POST"), request, relay)
 
-    return [generation("/v1/responses", RESPONSES_CREATE, deps, prepare), retrieve, cancel]
+    return [generation(RESPONSES_CREATE, deps, prepare), retrieve, cancel]
 
 
 def _retrieve_query(stream: bool, starting_after: int | None, background: bool) -> str:

@@ -1,46 +1,50 @@
-"""The tokenizer routes as the gate and the relay serve them (in OpenAI's error shape)."""
+"""The tokenizer routes as the gate and the relay serve them (in OpenAI's error shape): tokenize
+and detokenize through the gate, the tokenizer's description and vLLM's version relayed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
-from appliance.apis.api import GenerationApi, relayed
+from appliance.apis.api import GenerationApi, WorkerRoute
 from appliance.apis.openai.api import OPENAI
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults
 from appliance.settings import Settings
 
 
-def tokenize_rules(body: dict[str, Any], settings: Settings) -> bool:
-    """Messages are rendered with the template defaults a chat gets, so counts agree."""
-    if body.get("messages") is None:
-        return False
-    return apply_template_defaults(body, settings.policy.default_chat_template_kwargs,
-                                   thinking_off=False)
+class TokenizeApi(GenerationApi):
+    """/tokenize: renders templates and fetches media as generation does; no budget."""
+
+    name, path, shape = "tokenize", "/tokenize", OPENAI
+    fields = fields.TokenizeFields
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_tokenize(body)
+
+    def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
+        return policy.find_media_parts(body)
+
+    def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
+        """Messages are rendered with the template defaults a chat gets, so counts agree."""
+        if body.get("messages") is None:
+            return False
+        return apply_template_defaults(body, settings.policy.default_chat_template_kwargs,
+                                       thinking_off=False)
 
 
-TOKENIZE = GenerationApi(
-    name="tokenize",
-    path="/tokenize",
-    validate=surface.validate_tokenize,
-    fields=fields.TokenizeFields,
-    budget_fields=(),
-    prompt="none",
-    shape=OPENAI,
-    find_media=policy.find_media_parts,
-    rules=tokenize_rules,
-)
+class DetokenizeApi(GenerationApi):
+    """/detokenize: token ids back to text; no budget."""
 
-DETOKENIZE = GenerationApi(
-    name="detokenize",
-    path="/detokenize",
-    validate=surface.validate_detokenize,
-    fields=fields.DetokenizeFields,
-    budget_fields=(),
-    prompt="none",
-    shape=OPENAI,
-)
+    name, path, shape = "detokenize", "/detokenize", OPENAI
+    fields = fields.DetokenizeFields
 
-TOKENIZER_INFO = relayed("tokenizer_info", "/tokenizer_info", OPENAI)
-VERSION = relayed("version", "/version", OPENAI)
+    def validate(self, body: Mapping[str, Any]) -> None:
+        surface.validate_detokenize(body)
+
+
+TOKENIZE = TokenizeApi()
+DETOKENIZE = DetokenizeApi()
+TOKENIZER_INFO = WorkerRoute("tokenizer_info", "/tokenizer_info", OPENAI)
+VERSION = WorkerRoute("version", "/version", OPENAI)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -166,7 +167,7 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
 
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
-    relay._route, relay._link = "/v1/chat/completions", None
+    relay._route, relay._link, relay._arrived = "/v1/chat/completions", None, time.perf_counter()
 
     class Reply:
         status, headers, complete = 200, [], False  # type: ignore[var-annotated]
@@ -203,6 +204,7 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
+    relay._arrived = time.perf_counter()
 
     class Reply:
         status, headers, complete = 200, [], False  # type: ignore[var-annotated]

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from appliance.apis.anthropic.api import ANTHROPIC, anthropic_rules, anthropic_type
-from appliance.apis.responses.api import RESPONSES, responses_rules
+from appliance.apis.anthropic.api import ANTHROPIC, MESSAGES, anthropic_type
+from appliance.apis.responses.api import RESPONSES, RESPONSES_CREATE
 from appliance.apis.responses.response_ids import ResponseIds
 from appliance.apis.shape import StreamSoFar
-from appliance.apis.tokenizer.api import tokenize_rules
+from appliance.apis.tokenizer.api import TOKENIZE
 from appliance.errors import BadRequest, EngineUnavailable, NotFound, UpstreamError
 from appliance.policy import check_media, surface
 from appliance.policy.media import find_anthropic_media, find_batch_media_parts, find_responses_media
@@ -104,13 +104,13 @@ def test_an_anthropic_remote_image_gets_the_same_ssrf_rule() -> None:
 
 def test_anthropic_tools_need_a_parser_unless_the_choice_needs_none() -> None:
     settings = Settings()
-    assert refused(anthropic_rules, {"messages": HI, "tools": TOOLS}, settings).param == \
+    assert refused(MESSAGES.adjust, {"messages": HI, "tools": TOOLS}, settings).param == \
         "tool_choice"
     for choice in ("any", "none", "tool"):
-        anthropic_rules({"messages": HI, "tools": TOOLS,
+        MESSAGES.adjust({"messages": HI, "tools": TOOLS,
                          "tool_choice": {"type": choice, "name": "now"}}, settings)
     parsed = Settings(engine={"tool_call_parser": "hermes"})
-    assert anthropic_rules({"messages": HI, "tools": TOOLS}, parsed) is False
+    assert MESSAGES.adjust({"messages": HI, "tools": TOOLS}, parsed) is False
 
 
 def test_template_defaults_reach_anthropic_and_responses_but_their_thinking_stays() -> None:
@@ -119,26 +119,26 @@ def test_template_defaults_reach_anthropic_and_responses_but_their_thinking_stay
                         engine={"tool_call_parser": "hermes"})
     body: dict[str, Any] = {"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 2048},
                             "chat_template_kwargs": {"x": 1}}
-    assert anthropic_rules(body, settings) is True
+    assert MESSAGES.adjust(body, settings) is True
     assert body["chat_template_kwargs"] == {"enable_thinking": False, "x": 1}
     assert body["thinking"] == {"type": "enabled", "budget_tokens": 2048}  # vLLM's to read
     chosen: dict[str, Any] = {"input": "x", "tools": [{"type": "function", "name": "f"}],
                               "chat_template_kwargs": {"enable_thinking": True},
                               "reasoning": {"effort": "low"}}
-    responses_rules(chosen, settings)
+    RESPONSES_CREATE.adjust(chosen, settings)
     assert chosen["chat_template_kwargs"] == {"enable_thinking": True}
     assert chosen["reasoning"] == {"effort": "low"}
     tokenize: dict[str, Any] = {"messages": HI}
-    assert tokenize_rules(tokenize, settings) is True
+    assert TOKENIZE.adjust(tokenize, settings) is True
     assert tokenize["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def test_responses_get_an_id_unless_the_client_named_one() -> None:
     body: dict[str, Any] = {"input": "x"}
-    assert responses_rules(body, Settings()) is True
+    assert RESPONSES_CREATE.adjust(body, Settings()) is True
     assert body["request_id"].startswith("resp_") and len(body["request_id"]) == 37
     named: dict[str, Any] = {"input": "x", "request_id": "mine"}
-    assert responses_rules(named, Settings()) is False and named["request_id"] == "mine"
+    assert RESPONSES_CREATE.adjust(named, Settings()) is False and named["request_id"] == "mine"
 
 
 @pytest.mark.parametrize(("status", "kind"), [

@@ -1,0 +1,97 @@
+"""What the relay sends the worker: a request the gate vetted, or one passed through as it is.
+
+A Vetted request (appliance.gate.gate) makes the engine work: it holds an admission slot and
+has its budget fitted. A PassThrough is a worker route relayed as it is (a stored response, the
+tokenizer's description): nothing to vet, no slot, no budget. The relay sees only Outbound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from appliance.admission.slots import Admission
+from appliance.admission.usage import Meter
+from appliance.apis.api import WorkerRoute
+from appliance.apis.shape import ErrorShape
+from appliance.errors import ApiError
+
+if TYPE_CHECKING:
+    from appliance.gate.gate import Gate
+
+Refine = Callable[[ApiError], ApiError]  # a route's own reading of a worker's refusal
+
+
+class Outbound(Protocol):
+    """One request on its way to the worker, as the relay sends it."""
+
+    @property
+    def shape(self) -> ErrorShape: ...  # the route's error vocabulary
+
+    @property
+    def payload(self) -> Mapping[str, Any]: ...  # what a stream's ending may read of it
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def target(self) -> str: ...  # the worker's path
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...  # for the client's answer
+
+    @property
+    def priority(self) -> int | None: ...  # for the worker's scheduler; None: not sent
+
+    @property
+    def usage_added(self) -> bool: ...  # the stream's usage event is the meter's: strip it
+
+    @property
+    def refine(self) -> Refine | None: ...
+
+    def body(self) -> bytes | None: ...
+
+    def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
+        """What it holds while the worker answers, and the meter its usage is counted on."""
+        ...
+
+    def fit_budget(self, gate: Gate) -> Awaitable[None]:
+        """Its completion budget fitted to the window, once it holds its slot."""
+        ...
+
+
+@dataclass
+class PassThrough:
+    """A worker route relayed as it is: no body, no slot, no budget, not metered."""
+
+    route: WorkerRoute
+    method: str
+    target: str  # the route's path with its parameters, and the query passed on
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    refine: Refine | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    priority: None = None
+    usage_added: bool = False
+
+    @property
+    def shape(self) -> ErrorShape:
+        return self.route.shape
+
+    @property
+    def stream(self) -> bool:
+        return self.payload.get("stream") is True
+
+    def body(self) -> None:
+        return None
+
+    def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
+        return contextlib.nullcontext(Meter(enabled=False))
+
+    async def fit_budget(self, gate: Gate) -> None:
+        return None
