@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+import appliance.metrics
+import appliance.relay
+from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.engine import EngineState
 from appliance.settings import Settings
 from tests.metrics_text import value
-from tests.unit.appliance.fakes import FakeEngine, free_port, serving, upstream
+from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -48,3 +54,39 @@ async def test_known_sequence_gives_exact_counts() -> None:
     assert value(text, "appliance_time_to_first_token_seconds_count", **route) == 1
     assert value(text, "appliance_request_duration_seconds_count", **route) == 8
     assert value(text, "appliance_requests_in_flight") == 0
+
+
+class ShiftedClock:
+    """perf_counter, moved on by `offset` seconds when the test says."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+
+async def test_time_to_first_token_runs_from_the_request_through_its_wait_for_a_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clock jumps 1000 s while the stream waits in the admission queue: the time to its
+    first token includes them (it runs from the request's arrival, not the worker's head)."""
+    import httpx
+
+    clock = ShiftedClock()
+    monkeypatch.setattr(appliance.metrics, "time", clock)
+    monkeypatch.setattr(appliance.relay, "time", clock)
+    admission = Admission(1, queue_max=1, queue_wait_s=60)
+    chat = "/v1/chat/completions"
+    async with upstream() as (_, url):
+        port = free_port()
+        app = create_app(Settings(), FakeEngine(url), admission=admission)
+        async with serving(app, port), httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            async with admission.slot():
+                waiting = asyncio.create_task(client.post(chat, json=CHAT | {"stream": True}))
+                await eventually(lambda: admission.queued == 1)
+                clock.offset = 1000.0
+            assert (await waiting).status_code == 200
+            text = (await client.get("/metrics")).text
+    assert value(text, "appliance_time_to_first_token_seconds_count", route=chat) == 1
+    assert value(text, "appliance_time_to_first_token_seconds_sum", route=chat) >= 1000

@@ -5,8 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 from litestar import Litestar
+from litestar.connection import ASGIConnection
+from litestar.handlers import HTTPRouteHandler
 
 from appliance.app import create_app
+from appliance.engine import EngineState
+from appliance.errors import EngineUnavailable
 from appliance.settings import Settings
 from tests.unit.appliance.fakes import FakeEngine
 
@@ -101,8 +105,6 @@ async def test_the_right_key_passes_the_guard_on_every_route() -> None:
 async def test_every_route_gives_its_guards_the_handler_itself_not_a_copy_per_request() -> None:
     """Litestar's own route classes copy the handler for each guard on every request (its
     automatic OPTIONS answers aside: preflights are rare)."""
-    from litestar.handlers import HTTPRouteHandler
-
     from appliance.routes.handlers import Handler
 
     app = app_with(protect_ops_routes=True)
@@ -120,3 +122,39 @@ async def test_every_route_gives_its_guards_the_handler_itself_not_a_copy_per_re
     handler._resolved_guards = [guard]  # what resolve_guards() returns once resolved
     await handler.authorize_connection(object())  # type: ignore[arg-type]
     assert seen == [handler]
+
+
+def api_handlers(app: Litestar) -> list[tuple[str, HTTPRouteHandler]]:
+    """(concrete path, handler) of every route of the API families (no ops, open or admin)."""
+    found = []
+    for route in app.routes:
+        path = route.path.replace("{model:path}", "some-model").replace(
+            "{response_id:str}", "resp_some")
+        if path in OPEN_ALWAYS | OPS | LOCAL_ONLY:
+            continue
+        found += [(path, h) for h in getattr(route, "route_handlers", [])
+                  if isinstance(h, HTTPRouteHandler) and "OPTIONS" not in h.http_methods]
+    return found
+
+
+async def test_every_api_route_declares_that_the_engine_must_be_ready() -> None:
+    """The 503 comes from the routers' guards, before any handler runs, so a new API route
+    cannot forget it; it keeps Retry-After and the route's own error shape."""
+    engine = FakeEngine("http://127.0.0.1:9", state=EngineState.BACKOFF)
+    app = create_app(Settings(server={"api_keys": [KEY]}), engine)
+    handlers = api_handlers(app)
+    assert len(handlers) >= 14, handlers
+    for path, handler in handlers:
+        scope = {"type": "http", "path": path, "state": {}, "headers": [
+            (b"authorization", f"Bearer {KEY}".encode())]}
+        with pytest.raises(EngineUnavailable):
+            for guard in handler.resolve_guards():
+                await guard(ASGIConnection(scope), handler)  # type: ignore[arg-type]
+        method = next(iter(handler.http_methods))
+        response = await call(app, method, path, KEY)
+        assert response.status_code == 503 and response.headers["retry-after"] == "7", path
+        error = response.json()
+        if path.startswith("/v1/messages"):
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+        else:
+            assert error["error"]["code"] == "engine_unavailable", (path, error)

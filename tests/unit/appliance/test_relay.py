@@ -1,0 +1,223 @@
+"""The relay on its own, over a fake worker client: what a request holds, when it lets go, and
+how each outcome is answered (the worker's answer, its refusal, a bug, a lost engine, a client
+that left)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from appliance.admission.slots import Admission
+from appliance.apis.anthropic.api import MESSAGES
+from appliance.apis.openai.api import CHAT
+from appliance.apis.tokenizer.api import VERSION
+from appliance.errors import ApiError, NotFound
+from appliance.gate.gate import Vetted
+from appliance.metrics import RequestMetrics
+from appliance.outbound import PassThrough
+from appliance.relay import Relay, RelayDeps
+from tests.metrics_text import value
+from tests.unit.appliance.fakes import FakeEngine
+
+pytestmark = pytest.mark.anyio
+ROUTE = "/v1/chat/completions"
+
+
+class Reply:
+    """The worker's answer as the fake client hands it over."""
+
+    def __init__(self, status: int, chunks: list[bytes], on_chunk: Any = None) -> None:
+        self.status, self.headers = status, [(b"content-type", b"application/json")]
+        self._chunks, self._on_chunk = chunks, on_chunk
+        self.complete = False
+
+    async def read(self) -> bytes:
+        self.complete = True
+        return b"".join(self._chunks)
+
+    def forward(self, sink: Any) -> None:
+        pass
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for index, chunk in enumerate(self._chunks):
+            if self._on_chunk is not None:
+                await self._on_chunk(index)
+            self.complete = index == len(self._chunks) - 1
+            yield chunk
+
+
+class Worker:
+    """The worker client's `exchange`, answering `reply` and noting what it was sent."""
+
+    def __init__(self, reply: Reply | None = None, fail: Exception | None = None) -> None:
+        self.reply, self.fail = reply, fail
+        self.sent: list[tuple[str, str, bytes | None]] = []
+        self.in_flight_during: list[int] = []
+        self.admission: Admission | None = None
+
+    @contextlib.asynccontextmanager
+    async def exchange(self, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str]) -> AsyncIterator[Reply]:
+        self.sent.append((method, path, body))
+        assert self.admission is not None
+        self.in_flight_during.append(self.admission.in_flight)
+        if self.fail is not None:
+            raise self.fail
+        assert self.reply is not None
+        yield self.reply
+
+
+class Gate:
+    def __init__(self, admission: Admission) -> None:
+        self.fitted_holding: list[int] = []
+        self._admission = admission
+
+    async def fit_budget(self, vetted: Vetted) -> None:
+        self.fitted_holding.append(self._admission.in_flight)
+
+
+class Client:
+    """The ASGI side: what the relay sent, and a disconnect on demand."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.in_flight_at_end: int | None = None
+        self.gone = asyncio.Event()
+        self._admission = admission
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            self.in_flight_at_end = self._admission.in_flight
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    @property
+    def status(self) -> int:
+        return int(next(m["status"] for m in self.messages if m["type"] == "http.response.start"))
+
+    @property
+    def headers(self) -> dict[bytes, bytes]:
+        start = next(m for m in self.messages if m["type"] == "http.response.start")
+        return dict(start["headers"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m["body"] for m in self.messages if m["type"] == "http.response.body")
+
+
+class Setup:
+    def __init__(self, worker: Worker) -> None:
+        self.engine = FakeEngine("http://127.0.0.1:9")
+        self.admission = Admission(1)
+        self.metrics = RequestMetrics(CollectorRegistry())
+        self.worker = worker
+        worker.admission = self.admission
+        self.gate = Gate(self.admission)
+        self.client = Client(self.admission)
+        self.deps = RelayDeps(self.engine, self.admission, self.gate, worker,  # type: ignore[arg-type]
+                              self.metrics)
+
+    async def run(self, outbound: Any) -> None:
+        scope = {"type": "http", "path": ROUTE, "path_template": ROUTE, "headers": []}
+        relay = Relay(outbound, self.deps, "rid-1", {})
+        await relay(scope, self.client.receive, self.client.send)  # type: ignore[arg-type]
+
+    def count(self, name: str, **labels: str) -> float | None:
+        from prometheus_client import generate_latest
+        return value(generate_latest(self.metrics.registry).decode(), name, **labels)
+
+
+def chat(stream: bool = False, api: Any = CHAT) -> Vetted:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    return Vetted(api, body, json.dumps(body).encode())
+
+
+async def test_a_vetted_request_holds_its_slot_through_the_exchange_and_lets_go_before_the_end(
+) -> None:
+    setup = Setup(Worker(Reply(200, [b'{"ok": true}'])))
+    await setup.run(chat())
+    assert setup.gate.fitted_holding == [1]  # the budget is fitted once the slot is held
+    assert setup.worker.in_flight_during == [1]
+    assert setup.client.in_flight_at_end == 0  # given back before the client saw the end
+    assert setup.client.status == 200 and setup.client.body == b'{"ok": true}'
+    method, path, body = setup.worker.sent[0]
+    assert (method, path) == ("POST", ROUTE) and body == chat().raw
+    assert setup.client.headers[b"x-request-id"] == b"rid-1"
+
+
+async def test_a_pass_through_takes_no_slot_fits_no_budget_and_sends_no_body() -> None:
+    setup = Setup(Worker(Reply(200, [b'{"version": "x"}'])))
+    await setup.run(PassThrough(VERSION, "GET", "/version"))
+    assert setup.worker.sent == [("GET", "/version", None)]
+    assert setup.worker.in_flight_during == [0] and setup.gate.fitted_holding == []
+    assert setup.client.status == 200
+
+
+async def test_a_workers_refusal_is_answered_in_the_routes_shape_and_refined() -> None:
+    setup = Setup(Worker(Reply(404, [b'{"error": {"message": "no such thing"}}'])))
+
+    def refine(error: ApiError) -> ApiError:
+        return NotFound(f"refined: {error.message}", code="refined")
+
+    await setup.run(PassThrough(VERSION, "GET", "/version", refine=refine))
+    assert setup.client.status == 404
+    assert json.loads(setup.client.body)["error"]["code"] == "refined"
+    anthropic = Setup(Worker(Reply(400, [b'{"error": {"message": "bad"}}'])))
+    await anthropic.run(chat(api=MESSAGES))
+    assert json.loads(anthropic.client.body) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+
+
+async def test_a_bug_is_a_500_with_the_request_id_logged_once_and_counted_once() -> None:
+    setup = Setup(Worker(fail=ZeroDivisionError("boom")))
+    with capture_logs() as logs:
+        await setup.run(chat())
+    assert setup.client.status == 500
+    assert json.loads(setup.client.body)["error"]["request_id"] == "rid-1"
+    assert [entry["event"] for entry in logs] == ["request.unhandled_exception"]
+    assert isinstance(logs[0]["exc_info"], ZeroDivisionError)
+    assert setup.count("appliance_unhandled_exceptions_total", route=ROUTE) == 1
+    assert setup.count("appliance_rejections_total", reason="internal_error", client="none") == 1
+    assert setup.admission.in_flight == 0
+
+
+async def test_an_engine_lost_mid_stream_ends_the_stream_in_its_protocol_and_frees_the_slot(
+) -> None:
+    async def lose_after_first(index: int) -> None:
+        if index == 1:
+            setup.engine.fire_lost()
+            await asyncio.sleep(0)  # the cancellation lands here, mid-stream
+
+    setup = Setup(Worker(Reply(200, [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"],
+                               lose_after_first)))
+    with capture_logs() as logs:
+        await setup.run(chat(stream=True))
+    assert setup.client.status == 200
+    body = setup.client.body
+    assert body.startswith(b"data: 1\n\n") and b"data: 2" not in body
+    assert b'"code":"engine_lost"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert [(e["event"], e.get("streaming")) for e in logs] == [("request.failed", True)]
+    assert setup.admission.in_flight == 0 and setup.engine.watchers == 0
+
+
+async def test_a_client_that_left_gets_nothing_more_and_is_counted_as_a_disconnect() -> None:
+    async def leave(index: int) -> None:
+        if index == 1:
+            setup.client.gone.set()
+            await asyncio.Event().wait()  # the worker still streams when the watch hears it
+
+    setup = Setup(Worker(Reply(200, [b"data: 1\n\n", b"data: 2\n\n"], leave)))
+    await setup.run(chat(stream=True))
+    assert setup.client.body == b"data: 1\n\n"
+    assert setup.count("appliance_client_disconnects_total", stream="true") == 1
+    assert setup.admission.in_flight == 0
