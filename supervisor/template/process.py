@@ -63,7 +63,7 @@ CLOSE_GRACE_S = 5.0
 
 # The template's answer to a start: its message, and the worker's exit status to come (None when
 # it refused).
-Reply = tuple[dict[str, Any], "asyncio.Future[int] | None"]
+StartReply = tuple[dict[str, Any], "asyncio.Future[int] | None"]
 
 
 class TemplateError(Exception):
@@ -125,7 +125,7 @@ class TemplateProcess:
         self.facts: dict[str, Any] = {}
         self._sock = sock
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._replies: collections.deque[asyncio.Future[Reply]] = collections.deque()
+        self._replies: collections.deque[asyncio.Future[StartReply]] = collections.deque()
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._lock = asyncio.Lock()
         self._tasks = [asyncio.create_task(self._read())] + [
@@ -187,7 +187,7 @@ class TemplateProcess:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             request = {"op": "start", "argv": argv, "env": self.env, "cwd": cwd}
-            pending: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+            pending: asyncio.Future[StartReply] = asyncio.get_running_loop().create_future()
             try:
                 try:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], [out_w, err_w])
@@ -267,7 +267,7 @@ def _template_line(stream: str, line: str) -> None:
     log.info("template.output", source="template", stream=stream, line=line)
 
 
-def _kill_abandoned(reply: asyncio.Future[Reply]) -> None:
+def _kill_abandoned(reply: asyncio.Future[StartReply]) -> None:
     if reply.cancelled() or reply.exception() is not None or reply.result()[1] is None:
         return
     pid = int(reply.result()[0]["pid"])

@@ -41,7 +41,7 @@ class _Crash(Exception):
 FINGERPRINT = "vllm-synthetic-0000"
 
 
-class Upstream:
+class SyntheticWorker:
     def __init__(self, tokens: int, token_delay_s: float, model: str, *, faults: bool = False,
                  root: str | None = None) -> None:
         self.tokens = tokens
@@ -292,10 +292,10 @@ class Upstream:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-Protocol = Callable[[Upstream, dict[str, Any], int, Any], Any]
-_PROTOCOLS: dict[str, Protocol] = {"/v1/responses": Upstream._responses,
-                                   "/v1/messages": Upstream._messages,
-                                   "/v1/chat/completions/batch": Upstream._batch}
+Protocol = Callable[[SyntheticWorker, dict[str, Any], int, Any], Any]
+_PROTOCOLS: dict[str, Protocol] = {"/v1/responses": SyntheticWorker._responses,
+                                   "/v1/messages": SyntheticWorker._messages,
+                                   "/v1/chat/completions/batch": SyntheticWorker._batch}
 _GENERATIONS = frozenset({"/v1/chat/completions", "/v1/completions", *_PROTOCOLS})
 _TOKEN_EVENTS = frozenset({"response.output_text.delta", "content_block_delta"})
 _SMALL = frozenset({"/v1/messages/count_tokens", "/detokenize", "/version"})
@@ -387,7 +387,7 @@ def main() -> None:
                         help="seconds before it listens, as a real engine loads its model")
     args = parser.parse_args()
     time.sleep(args.boot_s)
-    app = Upstream(args.tokens, args.token_delay, args.model, faults=args.faults)
+    app = SyntheticWorker(args.tokens, args.token_delay, args.model, faults=args.faults)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

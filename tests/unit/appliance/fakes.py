@@ -17,7 +17,7 @@ from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
 from appliance.settings import Settings
 from tests.net import free_port
-from tests.support.synthetic_upstream import Upstream
+from tests.support.synthetic_upstream import SyntheticWorker
 
 
 @dataclass
@@ -82,9 +82,9 @@ async def serving(app: Any, port: int, settings: Settings | None = None
 
 
 @contextlib.asynccontextmanager
-async def upstream(tokens: int = 8, delay: float = 0.0) -> AsyncIterator[tuple[Upstream, str]]:
+async def upstream(tokens: int = 8, delay: float = 0.0) -> AsyncIterator[tuple[SyntheticWorker, str]]:
     port = free_port()
-    fake = Upstream(tokens, delay, "synthetic")
+    fake = SyntheticWorker(tokens, delay, "synthetic")
     async with serving(fake, port):
         yield fake, f"http://127.0.0.1:{port}"
 

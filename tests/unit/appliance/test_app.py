@@ -9,7 +9,7 @@ import json
 import pytest
 
 from appliance.engine import EngineState
-from tests.support.synthetic_upstream import Upstream
+from tests.support.synthetic_upstream import SyntheticWorker
 from tests.unit.appliance.fakes import (
     FakeEngine,
     appliance,
@@ -115,7 +115,7 @@ async def test_oversized_body_is_413_in_the_openai_shape() -> None:
 
 
 
-def _prompts_counted(fake: Upstream) -> list[dict[str, object]]:
+def _prompts_counted(fake: SyntheticWorker) -> list[dict[str, object]]:
     """The /tokenize calls that counted a request's prompt (not the one-off calibration)."""
     return [p for p in fake.counted if p.get("prompt") or any(
         m.get("content") for m in p.get("messages", []))]

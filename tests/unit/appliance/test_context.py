@@ -11,7 +11,7 @@ import structlog
 from appliance.app import create_app
 from appliance.context import request_context
 from appliance.settings import Settings
-from tests.support.synthetic_upstream import Upstream
+from tests.support.synthetic_upstream import SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, free_port, serving
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +52,7 @@ async def test_an_invalid_traceparent_binds_no_trace_id(value: str) -> None:
 
 
 async def test_traceparent_and_tracestate_are_passed_to_the_worker() -> None:
-    synthetic = Upstream(4, 0.0, "synthetic")
+    synthetic = SyntheticWorker(4, 0.0, "synthetic")
     received: list[dict[str, str]] = []
 
     async def worker(scope: Any, receive: Any, send: Any) -> None:

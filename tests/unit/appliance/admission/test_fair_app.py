@@ -20,7 +20,7 @@ from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.settings import Settings
 from tests.metrics_text import value
-from tests.support.synthetic_upstream import FINGERPRINT, Upstream
+from tests.support.synthetic_upstream import FINGERPRINT, SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio
@@ -223,7 +223,7 @@ async def one_slot(url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngin
         yield client, engine, admission
 
 
-async def one_running_one_queued(client: httpx.AsyncClient, fake: Upstream, admission: Admission,
+async def one_running_one_queued(client: httpx.AsyncClient, fake: SyntheticWorker, admission: Admission,
                                  ) -> tuple[asyncio.Future[httpx.Response],
                                             asyncio.Future[httpx.Response]]:
     """A long request holding the only slot, and a second one waiting in the queue behind it."""
