@@ -77,7 +77,7 @@ class ConversationApi(GenerationApi):
         check_message_count(raw, limits.max_messages)
 
     def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
-        super().check_size(body, limits)
+        check_prompts(body, limits.max_batch_prompts)
         check_conversation(body, limits.max_messages)
 
 

@@ -39,7 +39,7 @@ _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image
 @dataclass
 class Vetted:
     """A request that passed the rules: what to forward, and what the gate did to it. The
-    relay sends it (appliance.relay.Outbound) holding an admission slot."""
+    relay sends it (an appliance.outbound.Outbound) holding an admission slot."""
 
     method: ClassVar[str] = "POST"
     api: GenerationApi
