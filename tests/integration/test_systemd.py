@@ -43,6 +43,7 @@ from tests.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = Path("/lib/systemd/systemd")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNIT = "chat-appliance.service"
 SERVICE_USER = "chat-appliance"
 INSTALL_TIMEOUT_S = 600
@@ -179,6 +180,7 @@ def booted_systemd(work: Path, port: int, engine_port: int) -> Iterator[Namespac
             ["unshare", "--fork", "--pid", "--mount", "--mount-proc", "--cgroup", "--uts", "--ipc",
              "--propagation", "private", "--kill-child=SIGKILL", "--", "sh", "-c", NAMESPACE_SCRIPT],
             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    cgroups_before = _cgroups()
     namespaced = Namespaced(unshare, _init_pid(unshare), work)
     try:
         _wait_booted(namespaced)
@@ -189,6 +191,26 @@ def booted_systemd(work: Path, port: int, engine_port: int) -> Iterator[Namespac
         with suppress(ProcessLookupError):
             os.kill(namespaced.init, signal.SIGKILL)
         unshare.wait(30)
+        _remove_new_cgroups(cgroups_before)
+
+
+def _cgroups() -> set[Path]:
+    return {Path(folder) for folder, _, _ in os.walk(CGROUP_ROOT)}
+
+
+def _remove_new_cgroups(before: set[Path]) -> None:
+    """A cgroup-v1 machine shows the namespaced systemd the hierarchies' roots: the slices and
+    scopes it made there outlive it, empty. Only those it made, deepest first; rmdir refuses
+    any that still holds a process."""
+    deadline = time.monotonic() + 10
+    left = sorted(_cgroups() - before, key=lambda p: len(p.parts), reverse=True)
+    while left and time.monotonic() < deadline:
+        for folder in list(left):
+            with suppress(OSError):
+                folder.rmdir()
+            if not folder.exists():
+                left.remove(folder)
+        time.sleep(0.2)
 
 
 def _wait_booted(ns: Namespaced) -> None:
