@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from appliance.settings import ConfigError, Settings, config_path, load_settings
-from supervisor.doctor.access import check_access
+from supervisor.doctor.access import check_access, service_account
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import check_driver
 from supervisor.doctor.kernel import check_device_nodes, check_uvm
@@ -27,7 +27,7 @@ FAST_CHECKS: tuple[Check, ...] = (
     lambda box, s: check_uvm(box, s.engine),
     lambda box, s: check_device_nodes(box, s.engine),
     lambda box, s: check_compiler(box, s.engine),
-    lambda box, s: check_access(box, s, user=None),
+    lambda box, s: check_access(box, s, box.account(None)),  # serve checks as itself
     check_disk,
 )
 
@@ -51,7 +51,8 @@ def all_checks(box: Box | None = None, user: str | None = None,
     findings += [check_driver(box, settings.engine), check_uvm(box, settings.engine),
                  check_device_nodes(box, settings.engine), check_compiler(box, settings.engine),
                  check_gpu_memory(box, settings), check_disk(box, settings),
-                 check_access(box, settings, user=user, missing_ok=before_install),
+                 check_access(box, settings, service_account(box, user),
+                              missing_ok=before_install),
                  check_ports(box, settings)]
     return findings
 

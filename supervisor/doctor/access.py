@@ -79,11 +79,11 @@ def service_account(box: Box, user: str | None) -> Account | None:
     return box.account(user)
 
 
-def check_access(box: Box, settings: Settings, user: str | None = None,
+def check_access(box: Box, settings: Settings, account: Account | None,
                  app_python: Path = Path(sys.executable), missing_ok: bool = False) -> Finding:
-    account = service_account(box, user)
+    """account: whose access (None: the user asked for does not exist)."""
     if account is None:
-        return blocker(CHECK, f"no user {user}", "create it (install.sh --system) or pass --user")
+        return blocker(CHECK, "no such user", "create it (install.sh --system) or pass --user")
     refused = []
     for what, path, want in wanted_paths(settings, app_python):
         where = allowed(box, account, path, want)

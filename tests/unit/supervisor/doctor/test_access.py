@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from appliance.settings import EngineSettings, Settings
-from supervisor.doctor.access import allowed, check_access
+from supervisor.doctor.access import allowed, check_access, service_account
 from supervisor.doctor.box import Account
 from supervisor.doctor.report import Level
 from tests.unit.supervisor.doctor.fakes import FakeBox
@@ -54,7 +54,7 @@ def _box(tmp_path: Path) -> FakeBox:
 
 def test_a_world_readable_install_is_usable(tmp_path: Path) -> None:
     settings = _install(tmp_path)
-    finding = check_access(_box(tmp_path), settings, "chat-appliance",
+    finding = check_access(_box(tmp_path), settings, SERVICE,
                            app_python=settings.engine.python)
     assert finding.level is Level.OK, finding.message
 
@@ -63,7 +63,7 @@ def test_an_interpreter_in_a_private_home_is_a_blocker_naming_it(tmp_path: Path)
     """The pyenv-in-root's-home case: the venv's link resolves into a 0700 directory."""
     settings = _install(tmp_path)
     (tmp_path / "python").chmod(0o700)
-    finding = check_access(_box(tmp_path), settings, "chat-appliance",
+    finding = check_access(_box(tmp_path), settings, SERVICE,
                            app_python=settings.engine.python)
     assert finding.level is Level.BLOCKER
     assert f"engine interpreter ({tmp_path / 'python'})" in finding.message
@@ -81,12 +81,35 @@ def test_before_install_what_is_not_built_yet_is_not_reported(tmp_path: Path) ->
     settings.engine.python = tmp_path / "not-yet" / "bin" / "python"
     box = _box(tmp_path)
     app = Path(sys.executable)
-    assert check_access(box, settings, "chat-appliance", app_python=app,
+    assert check_access(box, settings, SERVICE, app_python=app,
                         missing_ok=False).level is Level.BLOCKER
-    finding = check_access(box, settings, "chat-appliance", app_python=settings.engine.python,
+    finding = check_access(box, settings, SERVICE, app_python=settings.engine.python,
                            missing_ok=True)
     assert finding.level is Level.OK, finding.message
 
 
 def test_an_unknown_user_is_a_blocker(tmp_path: Path) -> None:
-    assert check_access(_box(tmp_path), Settings(), "nobody-here").level is Level.BLOCKER
+    box = _box(tmp_path)
+    assert check_access(box, Settings(), service_account(box, "nobody-here")).level is Level.BLOCKER
+
+
+def test_root_checks_on_behalf_of_the_service_user_and_anyone_else_as_themselves(
+    tmp_path: Path,
+) -> None:
+    root = Account("root", 0, frozenset({0}))
+    box = FakeBox(root=tmp_path, accounts={None: root, "chat-appliance": SERVICE})
+    assert service_account(box, None) == SERVICE
+    box.accounts[None] = SERVICE
+    assert service_account(box, None) == SERVICE
+    box.accounts = {None: root}
+    assert service_account(box, None) == root  # no service user here: root itself
+
+
+def test_serve_checks_its_own_access_not_the_service_users(tmp_path: Path) -> None:
+    """Root running serve by hand on a box that also has the service user: its own access."""
+    from supervisor.doctor import fast_checks
+
+    root = Account("root", 0, frozenset({0}))
+    box = FakeBox(root=Path("/"), accounts={None: root, "chat-appliance": SERVICE})
+    access = next(f for f in fast_checks(Settings(), box) if f.check == "access")
+    assert access.level is Level.OK and access.message.startswith("root can use"), access.message
