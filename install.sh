@@ -359,15 +359,15 @@ appliance_source_hash() {
     fi
 }
 
-# A venv records the interpreter it was made from in pyvenv.cfg (`executable`); one made from
-# another interpreter (CHAT_APPLIANCE_PYTHON changed after a failed install) is rebuilt, not
-# called installed. In system mode the service user must also be able to run it.
+# A venv records the interpreter it was made from in pyvenv.cfg (`executable`, written by the
+# same build, so it cannot disagree with it as a second copy in our marker could); one made
+# from another interpreter (CHAT_APPLIANCE_PYTHON changed after a failed install) is rebuilt,
+# not called installed. (A venv the service user cannot reach where it lies is not rebuilt:
+# that would not help; check_service_access says so.)
 venv_interpreter_current() {
     local venv="$1" made_from
     made_from="$(sed -n 's/^executable *= *//p' -- "$venv/pyvenv.cfg" 2>/dev/null)"
-    [[ -n "$made_from" && "$(realpath -m -- "$made_from")" == "$PYTHON_REAL" ]] || return 1
-    [[ "$MODE" != system || -n "$PREFIX" ]] ||
-        runuser -u "$SERVICE_USER" -- "$venv/bin/python" -c 'import sys' >/dev/null 2>&1
+    [[ -n "$made_from" && "$(realpath -m -- "$made_from")" == "$PYTHON_REAL" ]]
 }
 
 appliance_venv_valid() {

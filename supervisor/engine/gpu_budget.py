@@ -7,6 +7,12 @@ also drives a screen, and reserves ~127 GB of an H200 for a 0.27 GB model. The r
 here is what the model needs (weights from its safetensors files, a KV cache for
 `kv_budget_sequences` full context windows, a fixed overhead), cut to the memory free now and
 to `gpu_memory_max_share`. An operator's own `gpu_memory_utilization` is passed as it is.
+
+Only `--gpu-memory-utilization` is passed, not `--kv-cache-memory-bytes`: vLLM compares
+utilization x total with the free memory whether or not a KV size is given (so the share must
+be sized anyway), and within that share the KV cache takes what the weights, activations and
+CUDA graphs leave, which is the budget or more when the overhead estimate holds; a fixed KV
+size would instead fail the boot when the overhead is larger than estimated.
 """
 
 from __future__ import annotations

@@ -41,13 +41,6 @@ def test_a_venv_made_from_another_interpreter_is_not_current(tmp_path: Path) -> 
     assert result.stdout.strip() == "status 1", result.stderr
 
 
-def test_a_venv_the_service_user_cannot_run_is_not_current(tmp_path: Path) -> None:
-    venv = _venv(tmp_path, "/usr/bin/python3.11")
-    script = (f"MODE=system PREFIX= PYTHON_REAL=/usr/bin/python3.11\nrunuser() {{ return 1; }}\n"
-              f"rc=0; venv_interpreter_current {venv} || rc=$?; echo status $rc")
-    assert bash(script, tmp_path).stdout.strip() == "status 1"
-
-
 def test_an_interpreter_the_service_user_cannot_run_stops_before_any_build(tmp_path: Path) -> None:
     script = ("MODE=system PREFIX= PYTHON_REAL=/root/.pyenv/versions/3.11.7/bin/python3.11\n"
               "runuser() { return 1; }\ncheck_python_for_service\necho built")
