@@ -12,7 +12,8 @@ Only `--gpu-memory-utilization` is passed, not `--kv-cache-memory-bytes`: vLLM c
 utilization x total with the free memory whether or not a KV size is given (so the share must
 be sized anyway), and within that share the KV cache takes what the weights, activations and
 CUDA graphs leave, which is the budget or more when the overhead estimate holds; a fixed KV
-size would instead fail the boot when the overhead is larger than estimated.
+size would not give way when the overhead is larger than estimated (read from source, not
+run on a GPU here).
 """
 
 from __future__ import annotations
