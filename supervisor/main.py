@@ -65,7 +65,7 @@ def _settings_or_exit() -> Settings:
 
 def _serve(_: argparse.Namespace) -> int:
     from supervisor import logs
-    from supervisor.doctor import fast_checks
+    from supervisor.doctor import preflight
     from supervisor.doctor.report import one_line
     from supervisor.serve import serve
 
@@ -73,9 +73,9 @@ def _serve(_: argparse.Namespace) -> int:
     logs.configure(settings.logging)
     # A box that cannot run the engine (an old driver, no compiler) would only crash-loop:
     # refuse with the reason and the exit status the unit does not restart on.
-    refusals = [finding for finding in fast_checks(settings) if finding.refuses_start]
-    if refusals:
-        print(f"chat-appliance: cannot start: {one_line(refusals[0])}", file=sys.stderr)
+    refusal = preflight(settings)
+    if refusal is not None:
+        print(f"chat-appliance: cannot start: {one_line(refusal)}", file=sys.stderr)
         return EXIT_CONFIG
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings))

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
+
 from appliance.settings import ConfigError, Settings, config_path, load_settings
 from supervisor.doctor.access import check_access, service_account
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import check_driver
 from supervisor.doctor.kernel import check_device_nodes, check_uvm
-from supervisor.doctor.report import Finding, blocker, ok
+from supervisor.doctor.report import Finding, Level, blocker, ok
 from supervisor.doctor.resources import check_disk, check_gpu_memory, check_ports
 from supervisor.doctor.toolchain import check_compiler
+
+log = structlog.get_logger("supervisor.doctor")
 
 Check = Callable[[Box, Settings], Finding]
 
@@ -35,6 +39,17 @@ FAST_CHECKS: tuple[Check, ...] = (
 def fast_checks(settings: Settings, box: Box | None = None) -> list[Finding]:
     box = box or Box()
     return [check(box, settings) for check in FAST_CHECKS]
+
+
+def preflight(settings: Settings, box: Box | None = None) -> Finding | None:
+    """`serve`'s checks at start: what is not fine is logged with its fix; the first blocker a
+    restart cannot cure is returned, for serve to refuse with."""
+    findings = fast_checks(settings, box)
+    for finding in findings:
+        if finding.level in (Level.WARNING, Level.BLOCKER):
+            log.warning("doctor.finding", check=finding.check, verdict=finding.level.value,
+                        message=finding.message, fix=finding.fix)
+    return next((finding for finding in findings if finding.refuses_start), None)
 
 
 def all_checks(box: Box | None = None, user: str | None = None,
@@ -57,4 +72,4 @@ def all_checks(box: Box | None = None, user: str | None = None,
     return findings
 
 
-__all__ = ["Box", "Finding", "all_checks", "fast_checks"]
+__all__ = ["Box", "Finding", "all_checks", "fast_checks", "preflight"]

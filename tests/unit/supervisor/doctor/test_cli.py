@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 import supervisor.doctor as doctor
 import supervisor.serve
@@ -52,7 +53,7 @@ def test_serve_refuses_a_lasting_blocker_with_exit_2_and_one_line(
 
     monkeypatch.setattr(supervisor.serve, "serve", never)
     assert main(["serve"]) == EXIT_CONFIG
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the logged findings
     assert err == ("chat-appliance: cannot start: driver: driver 570.86, CUDA 13.0; "
                    "fix: upgrade the driver to 580")
 
@@ -68,7 +69,10 @@ def test_serve_starts_despite_warnings_and_passing_blockers(monkeypatch: pytest.
         return 0
 
     monkeypatch.setattr(supervisor.serve, "serve", fake_serve)
-    assert main(["serve"]) == 0 and started
+    with structlog.testing.capture_logs() as logged:
+        assert main(["serve"]) == 0 and started
+    said = [(e["check"], e["verdict"], e["fix"]) for e in logged if e["event"] == "doctor.finding"]
+    assert said == [("disk", "warning", "free some"), ("gpu-memory", "blocker", "free it")]
 
 
 def test_the_fast_checks_pass_on_this_cpu_box(monkeypatch: pytest.MonkeyPatch) -> None:
