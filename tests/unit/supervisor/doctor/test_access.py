@@ -113,3 +113,14 @@ def test_serve_checks_its_own_access_not_the_service_users(tmp_path: Path) -> No
     box = FakeBox(root=Path("/"), accounts={None: root, "chat-appliance": SERVICE})
     access = next(f for f in fast_checks(Settings(), box) if f.check == "access")
     assert access.level is Level.OK and access.message.startswith("root can use"), access.message
+
+
+def test_serve_leaves_a_wrong_model_path_to_the_workers_boot_failure(tmp_path: Path) -> None:
+    """/health reports a model that is not there as a boot failure; serve does not refuse it."""
+    from supervisor.doctor import fast_checks
+
+    root = Account("root", 0, frozenset({0}))
+    box = FakeBox(root=Path("/"), accounts={None: root})
+    settings = Settings(engine={"model": str(tmp_path / "no-such-model")})
+    access = next(f for f in fast_checks(settings, box) if f.check == "access")
+    assert access.level is Level.OK, access.message
