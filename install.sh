@@ -25,8 +25,11 @@ readonly CPU_UNWANTED=(torchvision torchaudio torchcodec triton)
 readonly MODEL_NAME=SmolLM2-135M-Instruct
 readonly SERVICE_USER=chat-appliance
 
-# Rough free space a build needs where it lands (MiB): the CPU engine venv is ~2.6 GiB.
-readonly ENGINE_NEEDS_MIB=6000
+# Rough free space a build needs where it lands (MiB): the CPU engine venv is ~2.6 GiB; the
+# CUDA one (vllm, torch with its CUDA 13 libraries, flashinfer, triton) about 10 GiB (PyPI's
+# wheel sizes, not measured here), and pip's unpacking needs as much again for a while.
+readonly ENGINE_NEEDS_MIB_CPU=6000
+readonly ENGINE_NEEDS_MIB_CUDA=20000
 readonly MODEL_NEEDS_MIB=1500
 
 # Seconds between two "still working" lines of a long step whose output goes to the log.
@@ -296,7 +299,9 @@ find_python() {
         if "$candidate" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
             PYTHON="$(command -v "$candidate")"
             PYTHON_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-            step "python: $PYTHON ($PYTHON_VERSION)"
+            # The real file behind it (a pyenv shim or a link is not what a venv runs).
+            PYTHON_REAL="$("$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.executable))')"
+            step "python: $PYTHON ($PYTHON_VERSION, $PYTHON_REAL)"
             return 0
         fi
     done
@@ -354,9 +359,21 @@ appliance_source_hash() {
     fi
 }
 
+# A venv records the interpreter it was made from in pyvenv.cfg (`executable`, written by the
+# same build, so it cannot disagree with it as a second copy in our marker could); one made
+# from another interpreter (CHAT_APPLIANCE_PYTHON changed after a failed install) is rebuilt,
+# not called installed. (A venv the service user cannot reach where it lies is not rebuilt:
+# that would not help; check_service_access says so.)
+venv_interpreter_current() {
+    local venv="$1" made_from
+    made_from="$(sed -n 's/^executable *= *//p' -- "$venv/pyvenv.cfg" 2>/dev/null)"
+    [[ -n "$made_from" && "$(realpath -m -- "$made_from")" == "$PYTHON_REAL" ]]
+}
+
 appliance_venv_valid() {
     local stamp="$APP_VENV/.chat-appliance-install"
     [[ -f "$stamp" ]] || return 1
+    venv_interpreter_current "$APP_VENV" || return 1
     grep -qxF "source=$(appliance_source_hash)" "$stamp" || return 1
     # A development install (extras=[dev]) satisfies a plain one, not the other way round.
     [[ -z "$EXTRAS" ]] || grep -qxF "extras=$EXTRAS" "$stamp" || return 1
@@ -370,8 +387,9 @@ ensure_appliance_venv() {
         return 0
     fi
     step "$label: installing"
-    # Recreate only a venv whose interpreter is gone or broken; otherwise install into it.
-    if ! "$APP_VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+    # Recreate a venv whose interpreter is gone, broken or another one; otherwise install into it.
+    if ! venv_interpreter_current "$APP_VENV" ||
+        ! "$APP_VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
         rm -rf -- "$APP_VENV"
         run_logged "could not create $APP_VENV" "$PYTHON" -m venv "$APP_VENV"
     fi
@@ -388,6 +406,7 @@ ensure_appliance_venv() {
 engine_venv_valid() {
     [[ -f "$ENGINE_VENV/.chat-appliance-engine" ]] || return 1
     [[ "$(cat -- "$ENGINE_VENV/.chat-appliance-engine")" == "$ENGINE_RECIPE" ]] || return 1
+    venv_interpreter_current "$ENGINE_VENV" || return 1
     "$ENGINE_VENV/bin/python" -c 'import vllm' >/dev/null 2>&1
 }
 
@@ -415,7 +434,9 @@ ensure_engine_venv() {
         step "$label: already installed"
     else
         step "$label: building $ENGINE_PACKAGE (several minutes)"
-        require_space "$(dirname -- "$ENGINE_VENV")" "$ENGINE_NEEDS_MIB"
+        local need=$ENGINE_NEEDS_MIB_CPU
+        [[ "$DEVICE" == cpu ]] || need=$ENGINE_NEEDS_MIB_CUDA
+        require_space "$(dirname -- "$ENGINE_VENV")" "$need"
         local started=$SECONDS
         build_engine_venv
         note "built in $((SECONDS - started)) s"
@@ -542,6 +563,50 @@ print(key)
 EOF
 }
 
+# Before anything is built: the service user must be able to run the interpreter both venvs
+# will be made from (a pyenv build under root's home is not, and was found only after minutes
+# of building).
+check_python_for_service() {
+    if runuser -u "$SERVICE_USER" -- "$PYTHON_REAL" -c 'import sys' >/dev/null 2>&1; then
+        step "python usable by $SERVICE_USER: yes"
+        return 0
+    fi
+    local advice="install Python system-wide (Debian: apt-get install python3 python3-venv) and run: CHAT_APPLIANCE_PYTHON=/usr/bin/python3 bash install.sh --system"
+    [[ -n "$PREFIX" ]] || die "$SERVICE_USER cannot run $PYTHON_REAL (is it under a private home directory?): $advice"
+    note "test prefix: not fatal here; a real install would stop: $SERVICE_USER cannot run $PYTHON_REAL"
+}
+
+# chat-appliance doctor from the appliance venv: before the engine venv is built (what can be
+# checked without it: driver, nvidia_uvm, device nodes, compiler, GPU memory, access) and at
+# the end. A blocker stops the install with the fixes it printed.
+run_doctor() {
+    local when="$1" args=() status=0
+    shift
+    if [[ "$MODE" == system ]]; then args+=(--user "$SERVICE_USER"); else args+=(--user "$(id -un)"); fi
+    step "doctor ($when)"
+    env ${CONFIG_FILE:+CHAT_APPLIANCE_CONFIG="$CONFIG_FILE"} \
+        "$APP_VENV/bin/chat-appliance" doctor "${args[@]}" "$@" | sed 's/^/    /' ||
+        status=$?
+    ((status == 0)) && return 0
+    [[ -z "$PREFIX" ]] || { note "test prefix: doctor's blockers are not fatal here"; return 0; }
+    die "doctor found a blocker ($when); fix what it says above and run install.sh again"
+}
+
+# CUDA's setuid nvidia-modprobe cannot load nvidia-uvm from inside the unit's sandbox
+# (NoNewPrivileges, ProtectKernelModules): have systemd load it at every boot, and now.
+ensure_uvm_at_boot() {
+    [[ "$DEVICE" == cuda ]] || return 0
+    local conf="$PREFIX/etc/modules-load.d/chat-appliance.conf"
+    if [[ "$(cat -- "$conf" 2>/dev/null)" != "nvidia-uvm" ]]; then
+        step "nvidia-uvm at boot ($conf): writing"
+        install -D -m 0644 /dev/stdin "$conf" <<<"nvidia-uvm"
+    else
+        step "nvidia-uvm at boot ($conf): already present"
+    fi
+    [[ -n "$PREFIX" ]] || modprobe nvidia-uvm ||
+        note "modprobe nvidia-uvm failed: CUDA will not start until it is loaded (see doctor)"
+}
+
 # The service runs as its own user: everything it starts from must be readable by it. A
 # Python under root's home (pyenv) or a shared build under /root/.cache is not.
 check_service_access() {
@@ -614,16 +679,20 @@ main() {
     choose_engine
     if [[ "$MODE" == system ]]; then
         ensure_service_user
+        check_python_for_service
         ensure_state_dir
     fi
     ensure_appliance_venv
+    [[ "$MODE" != system ]] || ensure_system_config
+    run_doctor "before the engine venv" --before-install
     ensure_engine_venv
     ensure_default_model
     if [[ "$MODE" == system ]]; then
-        ensure_system_config
         check_service_access
+        ensure_uvm_at_boot
         install_systemd_unit
     fi
+    run_doctor "installed"
     print_next
 }
 

@@ -98,7 +98,13 @@ class EngineSettings(_Group):
     dtype: str | None = None  # None: float32 on the CPU, vLLM's "auto" on a GPU
     enforce_eager: bool | None = None  # None: eager on the CPU (compile costs minutes there)
     max_model_len: int | None = Field(None, ge=16)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # None: sized to the model and the free memory (supervisor/engine/gpu_budget.py); a value
+    # is passed to vLLM as it is.
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    gpu_memory_max_share: float = Field(0.9, gt=0, le=1)  # the sized reservation's ceiling
+    gpu_memory_overhead_bytes: int = Field(2 * 1024**3, ge=0)  # CUDA context, activations, graphs
+    # Sequences of a full window the sized KV cache holds; None: max_num_seqs, else policy.max_inflight.
+    kv_budget_sequences: int | None = Field(None, ge=1)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)  # None: 512 MiB on the CPU
     max_num_seqs: int | None = Field(None, ge=1)
     tool_call_parser: str | None = None
@@ -260,6 +266,12 @@ class StatusSettings(_Group):
     refresh_s: float = Field(2.0, ge=0.5)
 
 
+class DoctorSettings(_Group):
+    """`chat-appliance doctor` and the checks `serve` runs at start."""
+
+    min_free_disk_mib: int = Field(2048, ge=0)  # under the cache directory: compiled kernels
+
+
 class LoggingSettings(_Group):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -281,6 +293,7 @@ class Settings(BaseSettings):
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     gpu: GpuSettings = Field(default_factory=GpuSettings)
     status: StatusSettings = Field(default_factory=StatusSettings)
+    doctor: DoctorSettings = Field(default_factory=DoctorSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""`chat-appliance` command line: serve, check-config, status, reload."""
+"""`chat-appliance` command line: serve, check-config, status, reload, doctor."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 
 from appliance.settings import ConfigError, Settings, load_settings, masked_dump
 
-EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config must not restart-loop
+EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config (or box) must not restart-loop
 EXIT_NOT_ANSWERING = 3
 WATCH_INTERVAL_S = 2.0
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -42,9 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     reload = commands.add_parser("reload", help="reload the clients and keys of a running "
                                  "appliance from its configuration (key rotation)")
     reload.add_argument("--url", help="base URL (default: http://127.0.0.1:<server.port>)")
+    doctor = commands.add_parser("doctor", help="check this machine against what the "
+                                 "configured engine needs; exit status 1 on a blocker")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doctor.add_argument("--user", help="whose access to check (default: the service user "
+                        "when run as root and it exists, else the caller)")
+    doctor.add_argument("--before-install", action="store_true",
+                        help="for install.sh: what it has not built yet is not reported missing")
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status,
-               "reload": _reload}[args.command]
+               "reload": _reload, "doctor": _doctor}[args.command]
     return handler(args)
 
 
@@ -58,10 +65,18 @@ def _settings_or_exit() -> Settings:
 
 def _serve(_: argparse.Namespace) -> int:
     from supervisor import logs
+    from supervisor.doctor import preflight
+    from supervisor.doctor.report import one_line
     from supervisor.serve import serve
 
     settings = _settings_or_exit()
     logs.configure(settings.logging)
+    # A box that cannot run the engine (an old driver, no compiler) would only crash-loop:
+    # refuse with the reason and the exit status the unit does not restart on.
+    refusal = preflight(settings)
+    if refusal is not None:
+        print(f"chat-appliance: cannot start: {one_line(refusal)}", file=sys.stderr)
+        return EXIT_CONFIG
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(serve(settings))
 
@@ -73,6 +88,15 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from supervisor.doctor import all_checks
+    from supervisor.doctor.report import Level, render_json, render_text
+
+    findings = all_checks(user=args.user, before_install=args.before_install)
+    print(render_json(findings) if args.json else render_text(findings))
+    return 1 if any(finding.level is Level.BLOCKER for finding in findings) else 0
 
 
 def _check_config(_: argparse.Namespace) -> int:

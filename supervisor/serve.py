@@ -8,7 +8,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -20,8 +20,16 @@ from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
-from appliance.settings import ConfigError, EngineSettings, Settings, load_settings
+from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings, load_settings
 from supervisor.collector import SupervisorCollector, restart_durations
+from supervisor.engine.gpu_budget import (
+    GpuMemory,
+    ModelShapeError,
+    Reservation,
+    plan,
+    read_gpu_memory,
+    read_model_shape,
+)
 from supervisor.engine.launcher import build_launcher
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
@@ -119,7 +127,9 @@ async def serve(settings: Settings) -> int:
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(worker_settings(settings), settings.policy.allowed_media_hosts)
+    reservation = size_gpu_reservation(settings)
+    launcher = build_launcher(worker_settings(settings, reservation),
+                              settings.policy.allowed_media_hosts)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
@@ -190,13 +200,37 @@ async def serve(settings: Settings) -> int:
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def worker_settings(settings: Settings) -> EngineSettings:
-    """The engine's settings with vLLM's priority scheduler where clients have priorities (the
-    operator's own engine.extra_args come after, and win)."""
-    if not settings.admission.engine_priority():
-        return settings.engine
-    extra = ["--scheduling-policy", "priority", *settings.engine.extra_args]
-    return settings.engine.model_copy(update={"extra_args": extra})
+def worker_settings(settings: Settings, reservation: Reservation | None = None) -> EngineSettings:
+    """The engine's settings with the sized GPU reservation, and vLLM's priority scheduler
+    where clients have priorities (the operator's own engine.extra_args come after, and win)."""
+    update: dict[str, object] = {}
+    if reservation is not None:
+        update["gpu_memory_utilization"] = reservation.utilization
+    if settings.admission.engine_priority():
+        update["extra_args"] = ["--scheduling-policy", "priority", *settings.engine.extra_args]
+    return settings.engine.model_copy(update=update)
+
+
+def size_gpu_reservation(
+    settings: Settings, read_memory: Callable[[GpuSettings], GpuMemory | None] = read_gpu_memory,
+) -> Reservation | None:
+    """The GPU reservation for this model and the memory free now, logged with its numbers;
+    None on the CPU, or where it cannot be sized (vLLM's own default then applies, logged)."""
+    engine = settings.engine
+    if engine.resolved_device() != "cuda":
+        return None
+    memory = read_memory(settings.gpu)
+    if memory is None:
+        log.warning("engine.gpu_reservation_unsized", error="NVML gave no memory reading")
+        return None
+    try:
+        shape = read_model_shape(Path(engine.model), engine.dtype)
+    except ModelShapeError as error:
+        log.warning("engine.gpu_reservation_unsized", error=str(error))
+        return None
+    reservation = plan(settings, shape, memory)
+    log.info("engine.gpu_reservation", **reservation.as_dict())
+    return reservation
 
 
 def _reload_clients(clients: Roster) -> None:

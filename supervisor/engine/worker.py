@@ -53,7 +53,9 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
         kv_bytes = engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
         args += ["--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(kv_bytes)]
     else:
-        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        # None: serve could not size it (logged); vLLM's own default applies.
+        if engine.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
         if engine.kv_cache_memory_bytes is not None:
             args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
     if engine.tool_call_parser:
