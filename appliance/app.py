@@ -36,7 +36,7 @@ from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics
 from appliance.relay import RelayDeps
-from appliance.routes import admin, guards, ops
+from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
 from appliance.settings import Settings
 from appliance.status import routes as status
@@ -102,7 +102,7 @@ def create_app(
 
     return Litestar(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
-                        *ops.open_routes(alive), *status.page_routes(), *admin.routes(clients)],
+                        *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],
