@@ -61,7 +61,9 @@ def create_app(
 
     `engine_reading` gives the worker's own counters as the supervisor last read them (the
     status page's tokens/s and engine queue); without it those read as unknown."""
-    metrics = RequestMetrics(registry or CollectorRegistry())
+    # Client names only where /metrics asks for a key.
+    metrics = RequestMetrics(registry or CollectorRegistry(),
+                             client_names=settings.server.protect_ops_routes)
     admission = admission or Admission.from_settings(settings)
     metrics.in_flight.set_function(lambda: admission.in_flight)
     metrics.queued.set_function(lambda: admission.queued)
