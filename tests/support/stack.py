@@ -42,6 +42,8 @@ class Stack:
     engine_port: int
     # With server.tls_certfile: that certificate is the one trusted (https URLs).
     verify: ssl.SSLContext | bool = field(default=True, repr=False)
+    # With server.api_keys: the first, for /health and /metrics (server.protect_ops_routes).
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def target(self) -> Target:
@@ -55,7 +57,8 @@ class Stack:
         return usage(self.proc.pid)
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        return samples(httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text)
+        return samples(httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify,
+                                 headers=self.headers).text)
 
     def engine_counter(self, name: str) -> float:
         """A counter of the synthetic worker (synthetic_tokenize_calls_total, ...)."""
@@ -157,8 +160,10 @@ def running_stack(log_dir: Path, settings: Mapping[str, object] | None = None,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     cafile = (settings or {}).get("server.tls_certfile")
     verify = ssl.create_default_context(cafile=str(cafile)) if cafile else True
+    keys = (settings or {}).get("server.api_keys") or []
+    headers = {"Authorization": f"Bearer {keys[0]}"} if isinstance(keys, list) and keys else {}
     stack = Stack(f"{'https' if cafile else 'http'}://127.0.0.1:{port}", proc, log_path,
-                  engine_port, verify)
+                  engine_port, verify, headers)
     try:
         _wait_ready(stack)
         yield stack
@@ -172,7 +177,8 @@ def _wait_ready(stack: Stack) -> None:
         if stack.proc.poll() is not None:
             raise AssertionError(f"serve exited {stack.proc.returncode}:\n{stack.tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{stack.url}/health", timeout=2, verify=stack.verify).status_code == 200:
+            if httpx.get(f"{stack.url}/health", timeout=2, verify=stack.verify,
+                         headers=stack.headers).status_code == 200:
                 return
         time.sleep(0.1)
     raise AssertionError(f"appliance over the synthetic worker not ready:\n{stack.tail()}")
