@@ -58,7 +58,9 @@ Installs chat-appliance. Safe to run again: finished steps are only checked.
   --dev, --test also install the development extras (pytest, openai, locust, ...)
   --system      as root: user chat-appliance, /opt/chat-appliance/{venv,engine-venv},
                 /var/lib/chat-appliance/models, /etc/chat-appliance/config.toml with a
-                generated API key, and the systemd unit (enabled where systemd runs)
+                generated API key, a self-signed TLS certificate in /etc/chat-appliance/tls
+                (unless given: CHAT_APPLIANCE_SERVER__TLS_CERTFILE and __TLS_KEYFILE), and
+                the systemd unit (enabled where systemd runs)
   --verbose     show pip's output instead of only logging it
   --help        this text
 
@@ -518,6 +520,49 @@ ensure_default_model() {
     [[ "$MODELS_DIR" == "$MODELS_LINK" ]] || link_to_shared "$MODELS_DIR" "$MODELS_LINK" "$MODEL_NAME" ".$MODEL_NAME.*"
 }
 
+# HTTPS for the API: a self-signed certificate for this host (its names, localhost and its
+# addresses) unless the operator gives a pair (CHAT_APPLIANCE_SERVER__TLS_CERTFILE and
+# __TLS_KEYFILE) or ours is already there and not about to expire. The key is the service
+# user's alone. Sets TLS_CERTFILE and TLS_KEYFILE (the config's server.tls_*), prints the
+# fingerprint clients check the certificate against.
+ensure_tls_certificate() {
+    local dir="$PREFIX/etc/chat-appliance/tls" given="${CHAT_APPLIANCE_SERVER__TLS_CERTFILE:-}"
+    TLS_CERTFILE="${given:-$dir/cert.pem}"
+    TLS_KEYFILE="${CHAT_APPLIANCE_SERVER__TLS_KEYFILE:-$dir/key.pem}"
+    command -v openssl >/dev/null 2>&1 ||
+        die "openssl is needed for the TLS certificate (Debian: apt-get install openssl)"
+    if [[ -n "$given" || -n "${CHAT_APPLIANCE_SERVER__TLS_KEYFILE:-}" ]]; then
+        [[ -r "$TLS_CERTFILE" && -r "$TLS_KEYFILE" ]] ||
+            die "CHAT_APPLIANCE_SERVER__TLS_CERTFILE and __TLS_KEYFILE must both name readable PEM files"
+        step "TLS certificate ($TLS_CERTFILE): given, used as it is"
+    elif [[ -f "$TLS_KEYFILE" ]] && openssl x509 -checkend 2592000 -noout -in "$TLS_CERTFILE" >/dev/null 2>&1; then
+        step "TLS certificate ($TLS_CERTFILE): already present, valid for 30 days more at least"
+    else
+        local names="DNS:localhost,IP:127.0.0.1,IP:::1" name address
+        for name in $(hostname 2>/dev/null) $(hostname -f 2>/dev/null); do
+            [[ ",$names," == *",DNS:$name,"* ]] || names+=",DNS:$name"
+        done
+        for address in $(hostname -I 2>/dev/null); do
+            [[ ",$names," == *",IP:$address,"* ]] || names+=",IP:$address"
+        done
+        step "TLS certificate ($TLS_CERTFILE): making a self-signed one for $names"
+        install -d -m 0755 -- "$dir"
+        # 825 days: the longest validity Apple's clients accept for a TLS server certificate.
+        run_logged "openssl could not make the certificate; see the log" \
+            openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 825 \
+            -subj "/CN=$(hostname -f 2>/dev/null || hostname)" -addext "subjectAltName=$names" \
+            -keyout "$TLS_KEYFILE" -out "$TLS_CERTFILE"
+        chmod 0644 -- "$TLS_CERTFILE"
+    fi
+    if [[ -z "$given" ]]; then
+        chown "$SERVICE_USER:$SERVICE_USER" -- "$TLS_KEYFILE"
+        chmod 0600 -- "$TLS_KEYFILE"
+    fi
+    note "$(openssl x509 -noout -fingerprint -sha256 -in "$TLS_CERTFILE")"
+    [[ ! -f "$CONFIG_FILE" ]] || grep -q '^tls_certfile' -- "$CONFIG_FILE" ||
+        note "$CONFIG_FILE was written before: set server.tls_certfile and tls_keyfile there for HTTPS"
+}
+
 # /etc's config: written once, never overwritten (the operator owns it), with a fresh
 # API key so that a system install is never open on the LAN by default.
 ensure_system_config() {
@@ -544,14 +589,16 @@ ensure_system_config() {
 # Copy the example, filling in server.api_keys (and, under a test prefix, the engine
 # paths, which the built-in defaults cannot know). Prints the key.
 render_config() {
-    "$APP_VENV/bin/python" - "$ROOT/config/chat-appliance.toml" "$1" "${PREFIX:+$ENGINE_LINK}" "${PREFIX:+$MODELS_LINK/$MODEL_NAME}" <<'EOF'
+    "$APP_VENV/bin/python" - "$ROOT/config/chat-appliance.toml" "$1" "${PREFIX:+$ENGINE_LINK}" "${PREFIX:+$MODELS_LINK/$MODEL_NAME}" "$TLS_CERTFILE" "$TLS_KEYFILE" <<'EOF'
 import json, re, secrets, sys
 from pathlib import Path
 
-example, out, engine_venv, model = sys.argv[1:5]
+example, out, engine_venv, model, certfile, keyfile = sys.argv[1:7]
 key = secrets.token_urlsafe(32)
 text = Path(example).read_text()
-fills = {"api_keys": [key]}
+# A system install is on a LAN: keys on /health, /metrics and /status.json too, and HTTPS.
+fills = {"api_keys": [key], "protect_ops_routes": True, "tls_certfile": certfile,
+         "tls_keyfile": keyfile}
 if engine_venv:
     fills |= {"python": f"{engine_venv}/bin/python", "model": model}
 for name, value in fills.items():
@@ -688,6 +735,8 @@ main() {
     ensure_engine_venv
     ensure_default_model
     if [[ "$MODE" == system ]]; then
+        ensure_tls_certificate
+        ensure_system_config
         check_service_access
         ensure_uvm_at_boot
         install_systemd_unit

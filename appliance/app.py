@@ -36,7 +36,7 @@ from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import UNROUTED, RequestMetrics
 from appliance.relay import RelayDeps
-from appliance.routes import admin, guards, ops
+from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
 from appliance.settings import Settings
 from appliance.status import routes as status
@@ -59,7 +59,9 @@ def create_app(
 
     `engine_reading` gives the worker's own counters as the supervisor last read them (the
     status page's tokens/s and engine queue); without it those read as unknown."""
-    metrics = RequestMetrics(registry or CollectorRegistry())
+    # Client names only where /metrics asks for a key.
+    metrics = RequestMetrics(registry or CollectorRegistry(),
+                             client_names=settings.server.protect_ops_routes)
     admission = admission or Admission.from_settings(settings)
     metrics.in_flight.set_function(lambda: admission.in_flight)
     metrics.queued.set_function(lambda: admission.queued)
@@ -93,7 +95,7 @@ def create_app(
 
     return Litestar(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
-                        *ops.open_routes(alive), *status.page_routes(), *admin.routes(clients)],
+                        *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
         middleware=[request_context, metrics.middleware],
         lifespan=[lifespan],

@@ -65,7 +65,8 @@ def _trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
 
 # The caller's client name for this request's metrics labels (its log lines get it through
 # structlog's context). Set by the key guard; "none" where no key guard ran.
-CLIENT_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("client_name", default="none")
+NO_CLIENT = "none"  # before or without a key check
+CLIENT_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("client_name", default=NO_CLIENT)
 
 
 def bind_client(name: str) -> None:

@@ -1,7 +1,9 @@
 """The API's own Prometheus metrics: answers, latencies, refusals, disconnects, failures.
 
 The `client` label is the caller's client name from the key guard ("anonymous" for plain keys,
-"none" before or without a key check): bounded by the configured clients.
+"none" before or without a key check): bounded by the configured clients. Names are a secret of
+sorts (who uses this box, and how much): where /metrics is open to anyone
+(server.protect_ops_routes off) every named client is counted as "named".
 
 Facts the API does not own (engine state, restarts, the worker's gauges, the GPU) are exported
 by the supervisor's collector into the same registry; see supervisor/collector.py.
@@ -17,7 +19,8 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest as _generate_latest
 
-from appliance.context import CLIENT_NAME
+from appliance.admission.clients import ANONYMOUS
+from appliance.context import CLIENT_NAME, NO_CLIENT
 from appliance.errors import ApiError
 from appliance.fences.litestar import handler_of, route_of
 
@@ -26,13 +29,16 @@ log = structlog.get_logger("appliance.metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNROUTED = "other"  # the label for paths no route serves: bounded cardinality
 ARRIVED = "chat-appliance.arrived"  # the scope key of the request's arrival (perf_counter)
+UNNAMED = frozenset({ANONYMOUS, NO_CLIENT})  # labels that name nobody
+NAMED = "named"  # every named client, where /metrics shows no names
 
 
 class RequestMetrics:
     """Every request-level metric, in the registry it is given."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, client_names: bool = True) -> None:
         self.registry = r = registry
+        self._client_names = client_names
         self.requests = Counter("appliance_requests",
                                 "Requests answered, by route, status and client.",
                                 ["route", "status", "client"], registry=r)
@@ -88,7 +94,7 @@ class RequestMetrics:
     def _count(self, scope: Scope, status: int, elapsed: float) -> None:
         handler = handler_of(scope)
         route = (route_of(scope) or UNROUTED) if handler is not None else UNROUTED
-        self.requests.labels(route=route, status=str(status), client=CLIENT_NAME.get()).inc()
+        self.requests.labels(route=route, status=str(status), client=self._client()).inc()
         self.duration.labels(route=route).observe(elapsed)
         if handler is None or not handler.opt.get("quiet"):
             log.info("request.completed", method=scope.get("method"), route=route,
@@ -106,9 +112,13 @@ class RequestMetrics:
     def error_answered(self, error: ApiError, route: str) -> None:
         """Every error answer counts as a rejection by its reason; a bug of ours also by route
         (appliance.error_answer logs it)."""
-        self.rejections.labels(reason=error.reason, client=CLIENT_NAME.get()).inc()
+        self.rejections.labels(reason=error.reason, client=self._client()).inc()
         if error.bug is not None:
             self.unhandled_exceptions.labels(route=route).inc()
+
+    def _client(self) -> str:
+        name = CLIENT_NAME.get()
+        return name if self._client_names or name in UNNAMED else NAMED
 
     def clamped(self) -> None:
         self.clamps.inc()

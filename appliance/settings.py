@@ -29,6 +29,7 @@ CONFIG_ENV = "CHAT_APPLIANCE_CONFIG"
 SYSTEM_CONFIG = Path("/etc/chat-appliance/config.toml")
 SYSTEM_ROOT = Path("/opt/chat-appliance")
 SYSTEM_MODELS = Path("/var/lib/chat-appliance/models")
+SYSTEM_RUN = Path("/var/lib/chat-appliance/run")
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,13 @@ def default_model() -> str:
     if _is_checkout():
         return str(CHECKOUT_ROOT / ".models" / DEFAULT_MODEL_DIRNAME)
     return str(SYSTEM_MODELS / DEFAULT_MODEL_DIRNAME)
+
+
+def default_run_dir() -> Path:
+    """Where the supervisor keeps its private sockets: the checkout's .run in development, the
+    state directory's run/ on a system install (the service user's own, inside the unit's
+    ReadWritePaths)."""
+    return CHECKOUT_ROOT / ".run" if _is_checkout() else SYSTEM_RUN
 
 
 def gpu_present() -> bool:
@@ -82,6 +90,25 @@ class ServerSettings(_Group):
     max_headers: int = Field(100, ge=8)
     max_connections: int = Field(1024, ge=1)
     idle_timeout_s: int = Field(30, ge=1)
+    # TLS on the API port: both or neither; re-read on reload (certificate rotation).
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
+    # The operator's socket (reload); None: <run dir>/control-<port>.sock.
+    control_socket: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSettings:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together: set both or neither")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_certfile is not None
+
+    def resolved_control_socket(self) -> Path:
+        """One socket per port, so that several appliances of one checkout do not collide."""
+        return self.control_socket or default_run_dir() / f"control-{self.port}.sock"
 
 
 class EngineSettings(_Group):

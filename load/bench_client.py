@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from array import array
 from collections import Counter
@@ -28,6 +29,7 @@ class Target:
     port: int
     api_key: str = ""
     model: str = "synthetic"
+    tls: ssl.SSLContext | None = None  # HTTPS, trusting this context's certificates
 
     def request(self, stream: bool, max_tokens: int) -> bytes:
         body = json.dumps({"model": self.model, "stream": stream, "max_tokens": max_tokens,
@@ -63,13 +65,15 @@ class Sample:
 class Connection:
     """One keep-alive connection, reopened after an error or a `Connection: close`."""
 
-    def __init__(self, port: int) -> None:
-        self._port = port
+    def __init__(self, port: int, tls: ssl.SSLContext | None = None) -> None:
+        self._port, self._tls = port, tls
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def send(self, raw: bytes) -> tuple[int, dict[bytes, bytes], asyncio.StreamReader]:
         if self._streams is None:
-            self._streams = await asyncio.open_connection("127.0.0.1", self._port)
+            self._streams = await asyncio.open_connection(
+                "127.0.0.1", self._port, ssl=self._tls,
+                server_hostname="127.0.0.1" if self._tls else None)
         reader, writer = self._streams
         writer.write(raw)
         head = await reader.readuntil(b"\r\n\r\n")
@@ -134,15 +138,16 @@ async def _exchange(conn: Connection, raw: bytes, sample: Sample) -> bool:
     return headers.get(b"connection", b"").lower() != b"close"
 
 
-async def _client(port: int, raw: bytes, until: float, sample: Sample) -> None:
-    """One closed-loop client: the next request leaves as soon as the last one ended."""
-    conn = Connection(port)
+async def _client(target: Target, raw: bytes, until: float, sample: Sample) -> None:
+    """One closed-loop client: the next request leaves as soon as the last one ended (on a
+    kept-alive connection: a TLS handshake only after an error or a close)."""
+    conn = Connection(target.port, target.tls)
     try:
         while time.perf_counter() < until:
             try:
                 reuse = await asyncio.wait_for(_exchange(conn, raw, sample), REQUEST_TIMEOUT_S)
             except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                    ValueError) as exc:
+                    ValueError, ssl.SSLError) as exc:
                 sample.errors[type(exc).__name__] += 1
                 reuse = False
             if not reuse:
@@ -157,7 +162,7 @@ async def run_round(target: Target, stream: bool, clients: int, duration_s: floa
     sample = Sample()
     raw = target.request(stream, max_tokens)
     started = time.perf_counter()
-    await asyncio.gather(*(_client(target.port, raw, started + duration_s, sample)
+    await asyncio.gather(*(_client(target, raw, started + duration_s, sample)
                            for _ in range(clients)))
     sample.elapsed_s = time.perf_counter() - started
     return sample

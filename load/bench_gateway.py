@@ -1,11 +1,14 @@
 """The cost of the appliance itself: direct vs through the appliance vs through LiteLLM, in one run.
 
-    python -m load.bench_gateway [--clients 64] [--rounds 3] [--round-s 8]
+    python -m load.bench_gateway [--clients 64] [--rounds 3] [--round-s 8] [--tls]
 
 One synthetic upstream (no model, tokens as fast as it can) is the appliance's supervised worker;
-LiteLLM's proxy forwards to the same upstream. Closed-loop clients drive each target in turn,
-streaming and non-streaming rounds alternating, the target order rotated every round. Ratios are
-the result: everything here shares the same cores, the load generator included.
+LiteLLM's proxy forwards to the same upstream. With --tls a second appliance, serving HTTPS (a
+self-signed certificate, its clients on kept-alive connections), supervises a twin upstream:
+the target `appliance-tls`, whose cost next to `appliance` is what TLS adds. Closed-loop
+clients drive each target in turn, streaming and non-streaming rounds alternating, the target
+order rotated every round. Ratios are the result: everything here shares the same cores, the load
+generator included.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import ssl
 import sys
 import tempfile
 import time
@@ -33,6 +37,7 @@ from load.bench_stack import (
     start_litellm,
     wait_http,
 )
+from tests.support.certs import self_signed
 
 API_KEY = "sk-bench-0123456789abcdef"
 
@@ -44,7 +49,7 @@ class Stack:
     appliance: Service
     upstream_pid: int
     targets: list[Target]
-    cpu_pids: dict[str, tuple[int, bool]]  # name -> (pid, count its children)
+    cpu_pids: dict[str, list[tuple[int, bool]]]  # name -> [(pid, count its children)]
     services: list[Service] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -62,8 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-delay", type=float, default=0.0,
                         help="upstream seconds per token (0: as fast as it can; 0.02: 50 tok/s)")
     parser.add_argument("--base-port", type=int, default=8340,
-                        help="upstream, appliance and LiteLLM take this port and the next two")
+                        help="upstream, appliance and LiteLLM take this port and the next two; "
+                             "the TLS appliance and its upstream the two after")
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--tls", action="store_true",
+                        help="also measure the appliance serving HTTPS (target appliance-tls)")
     return parser.parse_args(argv)
 
 
@@ -80,15 +88,37 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
     fast = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m) is not None]
     stack = Stack(appliance, upstream_pid,
                   [Target("direct", upstream_port), Target("appliance", appliance_port, API_KEY)],
-                  {"upstream": (upstream_pid, False), "appliance": (appliance.proc.pid, False)},
+                  {"upstream": [(upstream_pid, False)], "appliance": [(appliance.proc.pid, False)]},
                   [appliance])
     stack.notes.append(f"appliance: 1 process, API key set, max_inflight 256, server extras: "
                        f"{', '.join(fast) or 'none (asyncio loop, h11)'}")
+    if args.tls:
+        _add_tls_appliance(stack, args, workdir)
     if args.no_litellm:
         stack.notes.append("litellm: unavailable (--no-litellm)")
     else:
         _add_litellm(stack, litellm_port, upstream_port, workdir)
     return stack
+
+
+def _add_tls_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) -> None:
+    """The same appliance serving HTTPS, over a twin upstream (counted with the first: each
+    idles while the other's target runs)."""
+    port, upstream_port = args.base_port + 3, args.base_port + 4
+    cert, key = self_signed(workdir, "bench")
+    trust = ssl.create_default_context(cafile=str(cert))
+    service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
+                              workdir, (cert, key), "appliance-tls")
+    stack.services.append(service)
+    url = f"https://127.0.0.1:{port}/health"
+    if not wait_http(service, url, 60, verify=trust):
+        raise SystemExit(f"the TLS appliance never became ready:\n{service.tail()}")
+    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False, verify=trust).json()["pid"])
+    stack.targets.append(Target("appliance-tls", port, API_KEY, tls=trust))
+    stack.cpu_pids["appliance-tls"] = [(service.proc.pid, False)]
+    stack.cpu_pids["upstream"].append((upstream_pid, False))
+    stack.notes.append(f"appliance-tls: the same, serving HTTPS ({ssl.OPENSSL_VERSION}, "
+                       "EC P-256 certificate, TLS 1.3); its upstream a twin of the first")
 
 
 def _add_litellm(stack: Stack, port: int, upstream_port: int, workdir: Path) -> None:
@@ -103,12 +133,13 @@ def _add_litellm(stack: Stack, port: int, upstream_port: int, workdir: Path) -> 
         service.stop()
         return
     stack.targets.append(Target("litellm", port, API_KEY))
-    stack.cpu_pids["litellm"] = (service.proc.pid, True)
+    stack.cpu_pids["litellm"] = [(service.proc.pid, True)]
     stack.notes.append(f"litellm {litellm_version(cli)}: proxy, 1 worker, master key set")
 
 
 def _cpu(stack: Stack) -> dict[str, float]:
-    now = {name: cpu_seconds(pid, children) for name, (pid, children) in stack.cpu_pids.items()}
+    now = {name: sum(cpu_seconds(pid, children) for pid, children in pids)
+           for name, pids in stack.cpu_pids.items()}
     return now | {"generator": time.process_time()}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -57,12 +58,13 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], workdir: Path) -> Se
 
 
 def wait_http(service: Service, url: str, timeout_s: float,
-              headers: dict[str, str] | None = None) -> bool:
+              headers: dict[str, str] | None = None, verify: ssl.SSLContext | bool = True) -> bool:
     """Poll `url` until it answers 200, the process dies, or the time is up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and service.proc.poll() is None:
         try:
-            if httpx.get(url, headers=headers, timeout=2, trust_env=False).status_code == 200:
+            if httpx.get(url, headers=headers, timeout=2, trust_env=False,
+                         verify=verify).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass  # not listening yet
@@ -71,8 +73,10 @@ def wait_http(service: Service, url: str, timeout_s: float,
 
 
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
-                    api_key: str, workdir: Path) -> Service:
-    """`chat-appliance serve` supervising the synthetic upstream as its worker."""
+                    api_key: str, workdir: Path, tls: tuple[Path, Path] | None = None,
+                    name: str = "appliance") -> Service:
+    """`chat-appliance serve` supervising the synthetic upstream as its worker; with `tls`
+    (certificate, key) its port speaks HTTPS."""
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
                 "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
@@ -87,8 +91,11 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "PYTHONPATH": str(ROOT),
     }
+    if tls is not None:
+        env |= {"CHAT_APPLIANCE_SERVER__TLS_CERTFILE": str(tls[0]),
+                "CHAT_APPLIANCE_SERVER__TLS_KEYFILE": str(tls[1])}
     chat_appliance = Path(sys.executable).with_name("chat-appliance")
-    return _spawn("appliance", [str(chat_appliance), "serve"], env, workdir)
+    return _spawn(name, [str(chat_appliance), "serve"], env, workdir)
 
 
 def ensure_litellm(home: Path = LITELLM_HOME) -> Path | str:

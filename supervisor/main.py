@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
 
 from appliance.settings import ConfigError, Settings, load_settings, masked_dump
+from supervisor.control import ask
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config (or box) must not restart-loop
 EXIT_NOT_ANSWERING = 3
@@ -39,9 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="refresh until interrupted (Ctrl-C); keeps going while it restarts")
     status.add_argument("--interval", type=_positive_seconds, default=WATCH_INTERVAL_S,
                         metavar="S", help=f"seconds between refreshes (default {WATCH_INTERVAL_S})")
-    reload = commands.add_parser("reload", help="reload the clients and keys of a running "
-                                 "appliance from its configuration (key rotation)")
-    reload.add_argument("--url", help="base URL (default: http://127.0.0.1:<server.port>)")
+    reload = commands.add_parser("reload", help="reload the clients, keys and TLS certificate "
+                                 "of a running appliance from its configuration (rotation)")
+    reload.add_argument("--socket", type=Path,
+                        help="its control socket (default: server.control_socket)")
     doctor = commands.add_parser("doctor", help="check this machine against what the "
                                  "configured engine needs; exit status 1 on a blocker")
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -114,14 +118,20 @@ def _positive_seconds(text: str) -> float:
 
 def _status(args: argparse.Namespace) -> int:
     settings = _settings_or_exit()
-    url = args.url or f"http://127.0.0.1:{settings.server.port}"
+    scheme = "https" if settings.server.tls else "http"
+    url = args.url or f"{scheme}://127.0.0.1:{settings.server.port}"
+    # Its own certificate names 127.0.0.1 where install.sh made it; another one needs --url.
+    verify: ssl.SSLContext | bool = True
+    if settings.server.tls_certfile is not None:
+        verify = ssl.create_default_context(cafile=settings.server.tls_certfile)
     headers = {}
     if settings.server.api_keys:
         headers["Authorization"] = f"Bearer {settings.server.api_keys[0].get_secret_value()}"
 
     def fetch() -> tuple[int, dict[str, Any]]:
         try:
-            response = httpx.get(f"{url}/health", headers=headers, timeout=5, trust_env=False)
+            response = httpx.get(f"{url}/health", headers=headers, timeout=5, trust_env=False,
+                                 verify=verify)
             return response.status_code, dict(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             raise HealthUnavailable(f"chat-appliance is not answering at {url}: {exc}") from exc
@@ -164,30 +174,24 @@ def watch_status(
 
 
 def _reload(args: argparse.Namespace) -> int:
-    """Ask the running appliance to reload its clients; it reads its own configuration, and
-    keeps the clients in force if that is wrong (exit 2, with the reason)."""
-    url = args.url or f"http://{_local_host(_settings_or_exit())}"
+    """Ask the running appliance, on its control socket, to reload its clients and certificate;
+    it reads its own configuration, and keeps what is in force if that is wrong (exit 2)."""
+    settings = _settings_or_exit()  # a file with an error is refused here already (exit 2)
+    path = args.socket or settings.server.resolved_control_socket()
     try:
-        response = httpx.post(f"{url}/admin/reload", timeout=10, trust_env=False)
-        detail = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        print(f"chat-appliance is not answering at {url}: {exc}", file=sys.stderr)
-        return 3
-    if response.status_code != 200:
-        message = detail.get("error", {}).get("message") if isinstance(detail, dict) else None
-        print(f"chat-appliance: {message or response.text}", file=sys.stderr)
-        return EXIT_CONFIG if response.status_code == 400 else 1
-    names = ", ".join(detail["clients"]) or "none"
-    print(f"reloaded: clients {names}; {detail['keys']} keys (generation {detail['generation']})")
+        answer = ask(path, "reload")
+    except (OSError, ValueError) as exc:
+        print(f"chat-appliance is not answering on {path}: {exc} (run this as the service "
+              "user or root; or kill -HUP the supervisor)", file=sys.stderr)
+        return EXIT_NOT_ANSWERING
+    if not answer.get("ok"):
+        print(f"chat-appliance: {answer.get('error')}", file=sys.stderr)
+        return EXIT_CONFIG if answer.get("code") == "bad_configuration" else 1
+    names = ", ".join(answer["clients"]) or "none"
+    tls = f"; certificate {answer['tls_fingerprint']}" if "tls_fingerprint" in answer else ""
+    print(f"reloaded: clients {names}; {answer['keys']} keys (generation {answer['generation']})"
+          f"{tls}")
     return 0
-
-
-def _local_host(settings: Settings) -> str:
-    """Where this machine reaches its own API: loopback unless it listens on one address."""
-    host = settings.server.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"[{host}]:{settings.server.port}" if ":" in host else f"{host}:{settings.server.port}"
 
 
 def _describe_health(detail: dict[str, object]) -> str:

@@ -20,8 +20,9 @@ from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
-from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings, load_settings
+from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
 from supervisor.collector import SupervisorCollector, restart_durations
+from supervisor.control import control_socket
 from supervisor.engine.gpu_budget import (
     GpuMemory,
     ModelShapeError,
@@ -38,12 +39,15 @@ from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor
+from supervisor.reload import Reloader
 from supervisor.sdnotify import Notifier
+from supervisor.tls import ServerTls
 
 log = structlog.get_logger("supervisor.serve")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
+EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus
 
 
 class _Server(uvicorn.Server):
@@ -107,6 +111,12 @@ def prepare_cache_dir(path: Path) -> bool:
 
 
 async def serve(settings: Settings) -> int:
+    # 0. A certificate that does not load is a configuration error: no restart would fix it.
+    try:
+        tls = ServerTls.from_settings(settings.server)
+    except ConfigError as exc:
+        log.error("supervisor.bad_configuration", error=str(exc))
+        return EXIT_CONFIG
     loop = asyncio.get_running_loop()
     signals = Signals()
     signals.install(loop)
@@ -142,8 +152,9 @@ async def serve(settings: Settings) -> int:
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_task: asyncio.Task[None] | None = None
     clients = Roster.from_settings(settings)
-    # SIGHUP (systemctl reload, kill -HUP) reloads the clients, as `chat-appliance reload` does.
-    loop.add_signal_handler(signal.SIGHUP, _reload_clients, clients)
+    reloader = Reloader(clients, tls)
+    # SIGHUP (kill -HUP) reloads as `chat-appliance reload` (systemctl reload) does.
+    loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     app = create_app(settings, manager, registry=registry, admission=admission, clients=clients,
                      alive=lambda: manager_task is not None and not manager_task.done(),
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
@@ -153,13 +164,22 @@ async def serve(settings: Settings) -> int:
                                     http=protocol, log_config=None, access_log=False,
                                     lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
                                     proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
-                                    server_header=False))
+                                    server_header=False,
+                                    # With a certificate the port speaks TLS only: uvicorn
+                                    # listens with this context, which reload re-reads in place.
+                                    ssl_context_factory=None if tls is None
+                                    else lambda _config, _default: tls.context))
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):
         log.error("supervisor.api_failed", host=settings.server.host, port=settings.server.port)
         return EXIT_FAILURE
-    log.info("supervisor.listening", host=settings.server.host, port=settings.server.port)
+    log.info("supervisor.listening", host=settings.server.host, port=settings.server.port,
+             tls=tls is not None, fingerprint=tls.fingerprint if tls is not None else None)
     notifier.ready(f"API listening on {settings.server.port}; engine starting")
+    # The operator's door (reload), a Unix socket no web page can reach; closed last.
+    operator = contextlib.AsyncExitStack()
+    await operator.enter_async_context(
+        control_socket(settings.server.resolved_control_socket(), {"reload": reloader}))
     # What start-up built (modules, the app, its routes and models) lives as long as the
     # process: out of the collector's sight, so that the full collections that many requests
     # in flight provoke do not walk it again each time (GC time in a non-streaming load run
@@ -192,6 +212,7 @@ async def serve(settings: Settings) -> int:
     server.stop()
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
+    await operator.aclose()
     await prober.aclose()
     await launcher.aclose()
     if gpu is not None:
@@ -231,13 +252,6 @@ def size_gpu_reservation(
     reservation = plan(settings, shape, memory)
     log.info("engine.gpu_reservation", **reservation.as_dict())
     return reservation
-
-
-def _reload_clients(clients: Roster) -> None:
-    """SIGHUP: the clients table again from the settings; a bad file keeps the old one (the
-    reload logs why)."""
-    with contextlib.suppress(ConfigError):
-        clients.reload(load_settings)
 
 
 async def _run_server(server: _Server) -> None:

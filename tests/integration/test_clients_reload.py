@@ -120,10 +120,20 @@ def test_sighup_reloads_the_clients_as_systemctl_reload_would(
     assert NEWER not in appliance.log_path.read_text()  # keys are never logged
 
 
-def test_the_reload_route_answers_nobody_through_a_proxy(
+def test_no_http_request_reloads_not_even_from_this_machine(
         rotating: tuple[Appliance, Path]) -> None:
-    appliance, _ = rotating
-    response = httpx.post(f"{appliance.url}/admin/reload", timeout=10,
-                          headers={"X-Forwarded-For": "192.168.1.7"})
-    assert response.status_code == 403
-    assert json.loads(response.text)["error"]["code"] == "local_only"
+    """A cross-site form POST from a browser here, and a LAN caller through a same-host proxy,
+    both arrive from 127.0.0.1: reload is not on HTTP at all, only on the control socket."""
+    appliance, config = rotating
+    config_with(config, "sk-attacker")
+    try:
+        for headers in ({"Origin": "http://evil.example",
+                         "Content-Type": "application/x-www-form-urlencoded"},
+                        {"X-Forwarded-For": "192.168.1.7"}, {}):
+            response = httpx.post(f"{appliance.url}/admin/reload", timeout=10, headers=headers,
+                                  content=b"x=1")
+            assert response.status_code == 404
+            assert json.loads(response.text)["error"]["code"] == "not_found"
+        assert status(appliance, "sk-attacker") == 401
+    finally:
+        config_with(config, NEWER)

@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -39,7 +40,9 @@ import pytest
 
 from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.net import free_port
+from tests.support.certs import self_signed
 from tests.support.processes import terminate
+from tests.support.stack import running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
@@ -100,13 +103,15 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def running_haproxy(workdir: Path, nodes: list[Appliance]) -> Iterator[Fleet]:
-    """HAProxy on the deploy example, exactly as shipped; only the addresses come from env."""
+def running_haproxy(workdir: Path, nodes: list[Appliance],
+                    env_extra: dict[str, str] | None = None) -> Iterator[Fleet]:
+    """HAProxy on the deploy example, exactly as shipped; only the addresses (and, with
+    `env_extra`, its TLS parts) come from env."""
     port, socket_path = free_port(), workdir / "haproxy.sock"
     env = dict(os.environ) | {
         "FLEET_BIND": f"127.0.0.1:{port}", "FLEET_STATS_SOCKET": str(socket_path),
-        **{f"APPLIANCE_{i}": node.url.removeprefix("http://") for i, node in enumerate(nodes, 1)},
-    }
+        **{f"APPLIANCE_{i}": node.url.split("://", 1)[1] for i, node in enumerate(nodes, 1)},
+    } | (env_extra or {})
     if os.geteuid() != 0:  # only root can drop to the haproxy user the example names
         env["FLEET_KEEP_USER"] = "1"
     log_path = workdir / "haproxy.log"
@@ -119,7 +124,8 @@ def running_haproxy(workdir: Path, nodes: list[Appliance]) -> Iterator[Fleet]:
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     try:
-        yield Fleet(f"http://127.0.0.1:{port}", nodes, socket_path, log_path)
+        scheme = "https" if "FLEET_TLS_CERT" in env else "http"
+        yield Fleet(f"{scheme}://127.0.0.1:{port}", nodes, socket_path, log_path)
     finally:
         terminate(proc)
 
@@ -439,3 +445,36 @@ def test_node_stopped_under_load_fails_no_client_request(fleet: Fleet) -> None:
     assert load.failures == [], f"{len(load.failures)} failed: {load.failures[:10]}"
     assert node.proc.returncode == 0
     assert not fleet.in_rotation("node2")
+
+
+def test_tls_at_the_balancer_and_from_it_to_each_node(tmp_path: Path) -> None:
+    """The example's TLS parts: clients speak HTTPS to HAProxy (terminated there), HAProxy
+    speaks HTTPS to each node trusting only the nodes' certificates, and checks /health with a
+    key, as a system install's nodes need (server.protect_ops_routes); plain HTTP gets nothing."""
+    node_cert, node_key = self_signed(tmp_path, "node")
+    balancer_cert, balancer_key = self_signed(tmp_path, "balancer")
+    bundle = tmp_path / "balancer-bundle.pem"
+    bundle.write_bytes(balancer_cert.read_bytes() + balancer_key.read_bytes())
+    key = "sk-fleet-tls"
+    settings = {"server.tls_certfile": str(node_cert), "server.tls_keyfile": str(node_key),
+                "server.api_keys": [key], "server.protect_ops_routes": True}
+    tls = {"FLEET_TLS_CERT": str(bundle), "FLEET_NODE_CA": str(node_cert),
+           "FLEET_HEALTH_KEY": key}
+    with contextlib.ExitStack() as stack:
+        nodes = []
+        for name in ("tls1", "tls2"):
+            (tmp_path / name).mkdir()
+            nodes.append(stack.enter_context(running_stack(tmp_path / name, settings,
+                                                           ("--tokens", str(TOKENS)))))
+        fleet = stack.enter_context(running_haproxy(tmp_path, nodes, tls))
+        fleet.wait_until("both TLS nodes in rotation", lambda: _all_up(fleet))
+        trust = ssl.create_default_context(cafile=str(balancer_cert))
+        with httpx.Client(base_url=fleet.url, verify=trust, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            answers = [client.post("/v1/chat/completions", json=chat(False)) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4
+        assert all(_json_failure(a, a.headers["x-request-id"]) is None for a in answers)
+        with socket.create_connection(("127.0.0.1", int(fleet.url.rsplit(":", 1)[1])),
+                                      timeout=10) as raw:
+            raw.sendall(b"GET /health HTTP/1.1\r\nHost: fleet\r\n\r\n")
+            assert b"HTTP/" not in b"".join(iter(lambda: raw.recv(4096), b""))

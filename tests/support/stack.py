@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,10 @@ class Stack:
     proc: subprocess.Popen[bytes]
     log_path: Path
     engine_port: int
+    # With server.tls_certfile: that certificate is the one trusted (https URLs).
+    verify: ssl.SSLContext | bool = field(default=True, repr=False)
+    # With server.api_keys: the first, for /health and /metrics (server.protect_ops_routes).
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def target(self) -> Target:
@@ -52,7 +57,8 @@ class Stack:
         return usage(self.proc.pid)
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        return samples(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        return samples(httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify,
+                                 headers=self.headers).text)
 
     def engine_counter(self, name: str) -> float:
         """A counter of the synthetic worker (synthetic_tokenize_calls_total, ...)."""
@@ -152,7 +158,12 @@ def running_stack(log_dir: Path, settings: Mapping[str, object] | None = None,
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], cwd=ROOT,
                                 env=_env(settings or {}, port, engine_port, upstream_args),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stack = Stack(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
+    cafile = (settings or {}).get("server.tls_certfile")
+    verify = ssl.create_default_context(cafile=str(cafile)) if cafile else True
+    keys = (settings or {}).get("server.api_keys") or []
+    headers = {"Authorization": f"Bearer {keys[0]}"} if isinstance(keys, list) and keys else {}
+    stack = Stack(f"{'https' if cafile else 'http'}://127.0.0.1:{port}", proc, log_path,
+                  engine_port, verify, headers)
     try:
         _wait_ready(stack)
         yield stack
@@ -166,7 +177,8 @@ def _wait_ready(stack: Stack) -> None:
         if stack.proc.poll() is not None:
             raise AssertionError(f"serve exited {stack.proc.returncode}:\n{stack.tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{stack.url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{stack.url}/health", timeout=2, verify=stack.verify,
+                         headers=stack.headers).status_code == 200:
                 return
         time.sleep(0.1)
     raise AssertionError(f"appliance over the synthetic worker not ready:\n{stack.tail()}")

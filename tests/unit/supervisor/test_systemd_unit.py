@@ -100,3 +100,15 @@ def test_systemctl_reload_runs_the_reload_command_so_a_bad_file_fails_it() -> No
     """`chat-appliance reload` exits non-zero with the reason when the new file is wrong;
     a bare `kill -HUP` would report success whatever happened."""
     assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
+
+
+def test_reload_reaches_the_control_socket_the_service_can_make() -> None:
+    """ExecReload runs `chat-appliance reload` as the service user: the socket it asks for
+    lies inside a path the unit lets the supervisor write."""
+    from appliance.settings import SYSTEM_RUN
+
+    assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
+    assert values("User") == ["chat-appliance"]
+    writable = [Path(path) for path in values("ReadWritePaths")]
+    assert any(SYSTEM_RUN.is_relative_to(path) for path in writable), writable
+    assert "AF_UNIX" in values("RestrictAddressFamilies")[0].split()

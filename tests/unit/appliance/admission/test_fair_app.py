@@ -15,7 +15,6 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from appliance.admission.clients import Roster
 from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.settings import Settings
@@ -41,10 +40,10 @@ def auth(who: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def appliance(url: str, policy: dict[str, Any] | None = None,
+async def appliance(url: str, policy: dict[str, Any] | None = None, protect: bool = False,
                     **admission: Any) -> AsyncIterator[httpx.AsyncClient]:
-    settings = Settings(server={"api_keys": [KEYS["plain"]]}, policy=policy or {},
-                        admission={"clients": CLIENTS, **admission})
+    settings = Settings(server={"api_keys": [KEYS["plain"]], "protect_ops_routes": protect},
+                        policy=policy or {}, admission={"clients": CLIENTS, **admission})
     port = free_port()
     async with serving(create_app(settings, FakeEngine(url)), port, settings), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
@@ -52,8 +51,10 @@ async def appliance(url: str, policy: dict[str, Any] | None = None,
 
 
 async def test_a_client_over_its_max_inflight_gets_429_naming_it_while_others_are_served() -> None:
+    """/metrics behind a key (protect_ops_routes) names each client."""
     body = CHAT | {"max_tokens": 200, "stream": True}
-    async with upstream(tokens=200, delay=0.02) as (_fake, url), appliance(url) as client:
+    async with upstream(tokens=200, delay=0.02) as (_fake, url), appliance(
+            url, protect=True) as client:
         async with client.stream("POST", "/v1/chat/completions", json=body,
                                  headers=auth("flood")) as one, \
                 client.stream("POST", "/v1/chat/completions", json=body,
@@ -65,11 +66,27 @@ async def test_a_client_over_its_max_inflight_gets_429_naming_it_while_others_ar
         error = third.json()["error"]
         assert error["code"] == "client_max_inflight" and "max_inflight 2" in error["message"]
         assert error["type"] == "rate_limit_error" and int(third.headers["retry-after"]) >= 1
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers=auth("plain"))).text
     assert value(metrics, "appliance_rejections_total", reason="client_max_inflight",
                  client="flood") == 1
     assert value(metrics, "appliance_requests_total", status="429", client="flood") == 1
     assert value(metrics, "appliance_requests_total", status="200", client="steady") == 1
+
+
+async def test_an_open_metrics_page_counts_named_clients_together_and_names_none() -> None:
+    """Anyone may scrape an open /metrics: it must not tell who uses the box and how much."""
+    async with upstream() as (_fake, url), appliance(url) as client:
+        for who in ("flood", "steady", "plain"):
+            assert (await client.post("/v1/chat/completions", json=CHAT,
+                                      headers=auth(who))).status_code == 200
+        assert (await client.post("/v1/completions", json={"prompt": "hi"},
+                                  headers=auth("batch"))).status_code == 403
+        metrics = (await client.get("/metrics")).text
+    assert not any(f'"{name}"' in metrics for name in ("flood", "steady", "batch"))
+    assert value(metrics, "appliance_requests_total", status="200", client="named") == 2
+    assert value(metrics, "appliance_requests_total", status="200", client="anonymous") == 1
+    assert value(metrics, "appliance_rejections_total", reason="route_not_allowed",
+                 client="named") == 1
 
 
 async def test_every_log_line_of_a_request_names_its_client_and_never_its_key() -> None:
@@ -173,45 +190,6 @@ async def test_a_waiter_that_is_never_admitted_gets_429_with_retry_after_from_th
     error = refused.json()["error"]
     assert error["code"] == "queue_timeout" and "1 requests in flight" in error["message"]
     assert int(refused.headers["retry-after"]) >= 1
-
-
-async def test_reload_from_this_machine_rotates_keys_and_a_bad_file_keeps_the_old(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text('[server]\napi_keys = ["sk-old"]\n')
-    monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(config))
-    settings = Settings(server={"api_keys": ["sk-old"]})
-    port = free_port()
-    async with upstream() as (_, url), serving(create_app(settings, FakeEngine(url),
-                                                          clients=Roster.from_settings(settings)),
-                                               port, settings), httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-        def models(key: str) -> Any:
-            return client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
-
-        assert (await models("sk-old")).status_code == 200
-        config.write_text('[server]\napi_keys = ["sk-new"]\n')
-        reloaded = await client.post("/admin/reload")
-        assert reloaded.status_code == 200 and reloaded.json()["generation"] == 2
-        assert (await models("sk-old")).status_code == 401
-        assert (await models("sk-new")).status_code == 200
-        config.write_text('[admission]\nqueue_max = -1\n')
-        broken = await client.post("/admin/reload")
-        assert broken.status_code == 400
-        assert "admission.queue_max" in broken.json()["error"]["message"]
-        assert (await models("sk-new")).status_code == 200
-
-
-async def test_reload_refuses_a_caller_from_elsewhere_or_through_a_proxy() -> None:
-    app = create_app(Settings(), FakeEngine("http://127.0.0.1:9"))
-    for client_address, headers in ((("192.168.1.20", 5000), {}),
-                                    (("127.0.0.1", 5000), {"X-Forwarded-For": "10.0.0.9"})):
-        transport = httpx.ASGITransport(app=app, client=client_address)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-            response = await client.post("/admin/reload", headers=headers)
-        assert response.status_code == 403, client_address
-        assert response.json()["error"]["code"] == "local_only"
-
 
 
 @contextlib.asynccontextmanager

@@ -30,9 +30,10 @@ CLIENTS = [
 
 
 @contextlib.asynccontextmanager
-async def appliance(url: str, policy: dict[str, Any] | None = None,
+async def appliance(url: str, policy: dict[str, Any] | None = None, protect: bool = False,
                     **admission: Any) -> AsyncIterator[httpx.AsyncClient]:
-    settings = Settings(policy=policy or {}, admission={"clients": CLIENTS, **admission})
+    settings = Settings(server={"protect_ops_routes": protect}, policy=policy or {},
+                        admission={"clients": CLIENTS, **admission})
     port = free_port()
     async with serving(create_app(settings, FakeEngine(url)), port, settings), httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
@@ -48,15 +49,17 @@ def anthropic_429(response: httpx.Response) -> str:
 
 
 async def test_a_client_named_by_x_api_key_over_its_max_inflight_gets_anthropics_429() -> None:
+    """/metrics behind a key (protect_ops_routes) names the client."""
     stream = MESSAGES | {"max_tokens": 200, "stream": True}
-    async with upstream(tokens=200, delay=0.02) as (_, url), appliance(url) as client:
+    async with upstream(tokens=200, delay=0.02) as (_, url), appliance(
+            url, protect=True) as client:
         async with client.stream("POST", "/v1/messages", json=stream,
                                  headers={"x-api-key": "sk-claude"}) as first:
             assert first.status_code == 200
             second = await client.post("/v1/messages", json=MESSAGES,
                                        headers={"x-api-key": "sk-claude"})
         message = anthropic_429(second)
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers={"Authorization": "Bearer sk-metered"})).text
     assert "claude-app" in message and "max_inflight 1" in message
     assert value(metrics, "appliance_rejections_total", reason="client_max_inflight",
                  client="claude-app") == 1

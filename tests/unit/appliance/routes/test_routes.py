@@ -18,7 +18,6 @@ pytestmark = pytest.mark.anyio
 KEY = "sk-routes-test-key"
 # /livez for liveness probes; the status page's shell and assets, which hold no data.
 OPEN_ALWAYS = {"/livez", "/", "/ui/status.js", "/ui/chart.js", "/ui/status.css"}
-LOCAL_ONLY = {"/admin/reload"}  # no key (it replaces the keys); this machine only: test_admin.py
 OPS = {"/health", "/metrics", "/status.json"}
 
 
@@ -53,7 +52,7 @@ async def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(prot
     routes = every_route(app)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/livez") in routes
     for method, path in routes:
-        open_route = path in OPEN_ALWAYS | LOCAL_ONLY or (path in OPS and not protect)
+        open_route = path in OPEN_ALWAYS or (path in OPS and not protect)
         for key in (None, "sk-wrong"):
             response = await call(app, method, path, key)
             if open_route:
@@ -80,7 +79,7 @@ async def test_only_the_anthropic_routes_take_the_key_as_x_api_key() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://app") as client:
         for method, path in every_route(app):
-            if path in OPEN_ALWAYS | OPS | LOCAL_ONLY:
+            if path in OPEN_ALWAYS | OPS:
                 continue
             response = await client.request(method, path, content=b"{}", headers={
                 "content-type": "application/json", "x-api-key": KEY})
@@ -130,7 +129,7 @@ def api_handlers(app: Litestar) -> list[tuple[str, HTTPRouteHandler]]:
     for route in app.routes:
         path = route.path.replace("{model:path}", "some-model").replace(
             "{response_id:str}", "resp_some")
-        if path in OPEN_ALWAYS | OPS | LOCAL_ONLY:
+        if path in OPEN_ALWAYS | OPS:
             continue
         found += [(path, h) for h in getattr(route, "route_handlers", [])
                   if isinstance(h, HTTPRouteHandler) and "OPTIONS" not in h.http_methods]
