@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import tomllib
@@ -225,17 +226,28 @@ def _wait_booted(ns: Namespaced) -> None:
     raise AssertionError(f"systemd did not boot its target\n{ns.logs()}")
 
 
-def _wait_health(url: str, timeout_s: float) -> dict[str, object]:
+def _installed_client(ns: Namespaced, port: int, folder: Path) -> httpx.Client:
+    """A client as an operator would make one: HTTPS trusting the certificate the install made,
+    with the key it generated (a system install protects /health too)."""
+    config = tomllib.loads(ns.run("cat", "/etc/chat-appliance/config.toml").stdout)["server"]
+    cert = folder / "installed-cert.pem"
+    cert.write_text(ns.run("cat", config["tls_certfile"]).stdout)
+    return httpx.Client(base_url=f"https://127.0.0.1:{port}", trust_env=False,
+                        verify=ssl.create_default_context(cafile=str(cert)),
+                        headers={"Authorization": f"Bearer {config['api_keys'][0]}"})
+
+
+def _wait_health(client: httpx.Client, timeout_s: float) -> dict[str, object]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            response = httpx.get(f"{url}/health", timeout=5, trust_env=False)
+            response = client.get("/health", timeout=5)
             if response.status_code == 200:
                 return dict(response.json())
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"/health never 200 at {url}")
+    raise AssertionError(f"/health never 200 at {client.base_url}")
 
 
 def _service_processes(ns: Namespaced) -> list[str]:
@@ -246,10 +258,10 @@ def _service_processes(ns: Namespaced) -> list[str]:
 def test_the_installed_unit_under_systemd(tmp_path: Path, artefacts: Path) -> None:
     _require_machine()
     port, engine_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
     with booted_systemd(tmp_path, port, engine_port) as ns:
         try:
-            _exercise(ns, url)
+            with _installed_client(ns, port, tmp_path) as client:
+                _exercise(ns, client)
         finally:
             for name in ("install.log", "service.log", "namespace.log"):
                 if (tmp_path / name).exists():
@@ -257,22 +269,20 @@ def test_the_installed_unit_under_systemd(tmp_path: Path, artefacts: Path) -> No
             (artefacts / "timings.json").write_text(json.dumps(ns.timings, indent=2))
 
 
-def _exercise(ns: Namespaced, url: str) -> None:
+def _exercise(ns: Namespaced, client: httpx.Client) -> None:
     # start returns on READY=1 (the API listens), before the model is loaded.
     started = time.monotonic()
     result = ns.systemctl("start", UNIT, timeout_s=READY_TIMEOUT_S)
     assert result.returncode == 0, f"{result.stderr}\n{ns.logs()}"
     ns.timings["start_returned_s"] = round(time.monotonic() - started, 1)
     assert ns.show("ActiveState") == "active"
-    health = _wait_health(url, READY_TIMEOUT_S)
+    health = _wait_health(client, READY_TIMEOUT_S)
     ns.timings["start_to_health_200_s"] = round(time.monotonic() - started, 1)
     assert health["state"] == "ready"
     assert "engine ready" in ns.show("StatusText")
 
-    key = tomllib.loads(ns.run("cat", "/etc/chat-appliance/config.toml").stdout)["server"]["api_keys"][0]
-    chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, trust_env=False,
-                      headers={"Authorization": f"Bearer {key}"},
-                      json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8})
+    chat = client.post("/v1/chat/completions", timeout=120,
+                       json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8})
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"]
     worker = ns.run("ps", "-o", "user=", "-p", str(health["pid"])).stdout.strip()
@@ -291,7 +301,7 @@ def _exercise(ns: Namespaced, url: str) -> None:
     assert ns.show("MainPID") not in (main_pid, "0"), f"not restarted\n{ns.logs()}"
     ns.timings["watchdog_restart_s"] = round(time.monotonic() - frozen, 1)
     assert ns.show("NRestarts") == "1"
-    _wait_health(url, READY_TIMEOUT_S)
+    _wait_health(client, READY_TIMEOUT_S)
     ns.timings["watchdog_to_health_200_s"] = round(time.monotonic() - frozen, 1)
 
     stopping = time.monotonic()
