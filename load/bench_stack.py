@@ -78,6 +78,8 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(upstream_port),
+        # The synthetic upstream listens on TCP only, where the direct and LiteLLM runs reach it.
+        "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_SERVER__API_KEYS": json.dumps([api_key]),

@@ -23,6 +23,7 @@ from appliance.engine import EngineState
 from appliance.settings import ConfigError, EngineSettings, Settings, load_settings
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.engine.launcher import build_launcher
+from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
 from supervisor.gpu.watch import build_gpu_watch
@@ -107,6 +108,11 @@ async def serve(settings: Settings) -> int:
 
     # 1. The engine manager, its monitors and the GPU monitor (absent GPU: probes alone).
     prepare_cache_dir(engine.resolved_cache_dir())
+    try:
+        prepare_socket_dir(engine)
+    except (ListenError, OSError) as exc:
+        log.error("engine.socket_dir_refused", error=str(exc))
+        return EXIT_FAILURE
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
     admission = Admission.from_settings(settings)
