@@ -20,9 +20,9 @@ from litestar.types import Message, Receive, Scope, Send
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
 from appliance.apis.shape import ErrorShape, StreamSoFar, encode, upstream_error
-from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
 from appliance.errors import ApiError, InternalError, engine_lost, engine_unavailable
+from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate, Vetted
 from appliance.metrics import RequestMetrics
 from appliance.upstream import Reply, Upstream

@@ -88,6 +88,9 @@ REQUEST_MODELS = {
     "CountTokensFields": "vllm.entrypoints.anthropic.protocol:AnthropicCountTokensRequest",
     "DetokenizeFields": "vllm.entrypoints.serve.tokenize.protocol:DetokenizeRequest",
 }
+# Fields the gate vets though vLLM 0.32 reads them in no request above: OpenAI's legacy
+# best_of is still capped (policy/sampling.py), so a vLLM that reads it again multiplies nothing.
+VETTED_THOUGH_UNREAD = frozenset({"best_of"})
 
 # What the worker template imports once, before it forks workers (appliance-side names are in
 # supervisor/template/process.py). Required: the template fails without these.

@@ -14,9 +14,9 @@ from litestar.types import ASGIApp
 
 from appliance.apis.api import GenerationApi
 from appliance.context import REQUEST_ID
-from appliance.edge import client_link
 from appliance.engine import require_ready
 from appliance.errors import BadRequest, RequestTimeout
+from appliance.fences.uvicorn import client_link
 from appliance.gate.gate import Vetted
 from appliance.relay import Relay, RelayDeps
 from appliance.routes.guards import client_of
