@@ -72,14 +72,16 @@ def wait_http(service: Service, url: str, timeout_s: float,
 
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
                     api_key: str, workdir: Path) -> Service:
-    """`chat-appliance serve` supervising the synthetic upstream as its worker."""
+    """`chat-appliance serve` supervising the synthetic upstream as its worker. The appliance
+    reaches it on its Unix socket, as it reaches vLLM; the direct and LiteLLM runs on its port."""
+    socket_dir = workdir / "worker"
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
-                "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
+                "--tokens", str(tokens), "--token-delay", str(token_delay_s),
+                "--uds", str(socket_dir / "worker.sock")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(upstream_port),
-        # The synthetic upstream listens on TCP only, where the direct and LiteLLM runs reach it.
-        "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",
+        "CHAT_APPLIANCE_ENGINE__SOCKET_DIR": str(socket_dir),
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_SERVER__API_KEYS": json.dumps([api_key]),
