@@ -92,8 +92,21 @@ REQUEST_MODELS = {
 # best_of is still capped (policy/sampling.py), so a vLLM that reads it again multiplies nothing.
 VETTED_THOUGH_UNREAD = frozenset({"best_of"})
 
-# What the worker template imports once, before it forks workers (appliance-side names are in
-# supervisor/template/process.py). Required: the template fails without these.
+# The worker's log lines that open each phase of its boot (supervisor/engine/boot_phases.py),
+# in boot order, as regular expressions: CPU and CUDA model runners, the api_server entry and
+# `vllm serve`; the last one is uvicorn's, in the worker's own server.
+BOOT_LINES = (
+    ("configuring", r"non-default args:|vLLM API server version"),
+    ("starting the engine core", r"Initializing a V1 LLM engine"),
+    ("loading weights", r"Starting to load model"),
+    ("allocating the KV cache", r"Loading weights took|Model loading took"),
+    ("starting the API server",
+     r"init engine \(profile, create kv cache, warmup model\) took|Starting vLLM (API )?server"),
+    ("ready", r"Application startup complete"),
+)
+
+# What the worker template imports once, before it forks workers (supervisor/engine/launcher.py
+# hands them to it). Required: the template fails without these.
 API_PRELOADS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.v1.engine.async_llm",
                 "vllm.v1.engine.core")
 # What the server would import after forking, best effort (module names move between versions).

@@ -63,7 +63,7 @@ def test_the_protocol_has_the_callbacks_connection_overrides() -> None:
 class Recording(Connection):
     """Records the hooks in the order uvicorn's callbacks run them."""
 
-    seen: list[str] = []  # noqa: RUF012 - one request per test, read after it
+    seen: list[str] = []
 
     def opened(self) -> None:
         self.seen.append(f"opened {self.open_connections} {self.peer is not None}")

@@ -147,12 +147,25 @@ def test_every_field_the_gate_vets_is_one_vllm_reads() -> None:
                      "from that list)", sorted(vllm.VETTED_THOUGH_UNREAD & theirs))
 
 
+def engine_sources(pattern: str) -> str:
+    """The engine venv's source files under site-packages that match `pattern`, as one text."""
+    lib = engine_python().parent.parent / "lib"
+    return "\n".join(path.read_text(errors="replace")
+                     for path in lib.glob(f"python3*/site-packages/{pattern}"))
+
+
 def test_the_metrics_we_read_are_ones_vllm_exports() -> None:
     """Read from the source: the metrics are registered when an engine runs, not on import."""
-    package = engine_python().parent.parent / "lib"
-    sources = "\n".join(path.read_text(errors="replace")
-                        for path in package.glob("python3*/site-packages/vllm/v1/metrics/*.py"))
+    sources = engine_sources("vllm/v1/metrics/*.py")
     for name in vllm.METRICS:
         base = re.sub(r"_(total|count|sum|bucket)$", "", name)
         VLLM.require(f'"{name}"' in sources or f'"{base}"' in sources,
                      f"vllm/v1/metrics registers {name}")
+
+
+def test_each_boot_phase_opens_on_a_line_the_worker_still_logs() -> None:
+    """A reworded line costs a phase of the boot display, never the boot: said here, not there."""
+    sources = engine_sources("vllm/**/*.py") + engine_sources("uvicorn/**/*.py")
+    for phase, lines in vllm.BOOT_LINES:
+        VLLM.require(re.search(lines, sources) is not None,
+                     f"vLLM or uvicorn logs a line that opens the boot phase {phase!r}", lines)
