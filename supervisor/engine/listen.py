@@ -12,6 +12,8 @@ import contextlib
 import os
 import socket
 import stat
+from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -59,31 +61,52 @@ def prepare_socket_dir(engine: EngineSettings) -> None:
 
 
 async def listen_released(engine: EngineSettings) -> None:
-    """Before a worker starts: its predecessor's socket file is removed (vLLM's bind would fail
-    on it; a process still holding it keeps its own), or its TCP port is free."""
+    """Before a worker starts: nothing listens where it will (a killed tree closes its socket as
+    it finishes exiting), and a Unix socket's leftover file is removed (vLLM's bind fails on
+    it). One still served after the wait is left alone: it may be another supervisor's."""
     if engine.listen == "unix":
-        with contextlib.suppress(FileNotFoundError):
-            engine.socket_path.unlink()
+        path = engine.socket_path
+        if await _released(lambda: not _accepting(path), str(path), PORT_RELEASE_S):
+            with contextlib.suppress(FileNotFoundError):
+                engine.socket_path.unlink()
         return
     await port_released(engine.host, engine.port)
 
 
 async def port_released(host: str, port: int, timeout_s: float = PORT_RELEASE_S) -> bool:
     """Waits until nothing listens on the worker's port: a worker restarted at once after a
-    kill can otherwise find its predecessor's socket still open (the kernel closes it as the
-    killed tree finishes exiting) and die on 'Address already in use'. False after timeout_s
-    (logged); the start goes ahead and a failed boot is handled as any other."""
+    kill can otherwise find its predecessor's socket still open and die on 'Address already
+    in use'. False after timeout_s (logged); the start goes ahead and a failed boot is handled
+    as any other."""
+    return await _released(lambda: _bindable(host, port), f"{host}:{port}", timeout_s)
+
+
+async def _released(free: Callable[[], bool], where: str, timeout_s: float) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     waited = False
-    while not _bindable(host, port):
+    while not free():
         if loop.time() >= deadline:
-            log.warning("worker.port_busy", host=host, port=port, waited_s=timeout_s)
+            log.warning("worker.listen_busy", where=where, waited_s=timeout_s)
             return False
         waited = True
         await asyncio.sleep(0.05)
     if waited:
-        log.info("worker.port_released", host=host, port=port)
+        log.info("worker.listen_released", where=where)
+    return True
+
+
+def _accepting(path: Path) -> bool:
+    """Something listens on the Unix socket at `path`. Never blocks: a full backlog (a server
+    that stopped accepting) would hold a blocking connect, and the supervisor's loop with it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except BlockingIOError:  # listening, backlog full
+            return True
+        except OSError:  # no file, not a socket, or nobody listening: refused
+            return False
     return True
 
 

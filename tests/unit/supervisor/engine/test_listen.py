@@ -14,6 +14,7 @@ import pytest
 import structlog
 
 from appliance.settings import EngineSettings
+from supervisor.engine import listen
 from supervisor.engine.listen import (
     ListenError,
     listen_released,
@@ -66,6 +67,24 @@ async def test_a_start_clears_the_old_workers_socket_file(tmp_path: Path) -> Non
     await listen_released(engine)  # none there: nothing to do
 
 
+async def test_a_socket_still_served_is_left_to_whoever_serves_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another supervisor's worker (same engine port) keeps its socket: this start's bind fails
+    and says so, as on a busy TCP port, instead of taking the other's clients away. A holder
+    that accepts nothing (its backlog fills with the checks) never blocks the check."""
+    monkeypatch.setattr(listen, "PORT_RELEASE_S", 2.0)
+    engine = EngineSettings(socket_dir=tmp_path)
+    with socket.socket(socket.AF_UNIX) as held, structlog.testing.capture_logs() as logs:
+        held.bind(str(engine.socket_path))
+        held.listen(1)
+        task = asyncio.create_task(listen_released(engine))
+        await asyncio.sleep(0.2)
+        assert not task.done()  # it waits for the holder first: a dying tree lets go soon
+        await asyncio.wait_for(task, 30)
+        assert engine.socket_path.exists()
+    assert [e["event"] for e in logs] == ["worker.listen_busy"]
+
+
 async def test_a_start_waits_for_the_old_workers_port_to_be_released() -> None:
     """A killed tree closes its listening socket as it finishes exiting; a worker started at
     once must not bind before that, or it dies on 'Address already in use'."""
@@ -78,4 +97,4 @@ async def test_a_start_waits_for_the_old_workers_port_to_be_released() -> None:
     holder = socket.create_server(("127.0.0.1", 0))
     with holder, structlog.testing.capture_logs() as logs:
         assert not await port_released("127.0.0.1", holder.getsockname()[1], timeout_s=0.2)
-    assert [e["event"] for e in logs] == ["worker.port_busy"]
+    assert [e["event"] for e in logs] == ["worker.listen_busy"]
