@@ -42,7 +42,7 @@ from appliance.settings import Settings
 from appliance.status import routes as status
 from appliance.status.document import StatusSources
 from appliance.status.recent import EngineReading, Recent
-from appliance.upstream import Upstream
+from appliance.upstream import Limits, Upstream
 
 
 def create_app(
@@ -66,7 +66,7 @@ def create_app(
     metrics.in_flight.set_function(lambda: admission.in_flight)
     metrics.queued.set_function(lambda: admission.queued)
     clients = clients or Roster.from_settings(settings)
-    upstream = Upstream(engine.base_url, settings.server, engine.retry_after_s)
+    upstream = Upstream(engine.base_url, Limits.of(settings.server), engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     relay = RelayDeps(engine, admission, gate, upstream, metrics)
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)

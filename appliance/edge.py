@@ -13,99 +13,15 @@ The request body is read by the route, within server.body_timeout_s.
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import Callable
-from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from appliance.apis.openai.api import OPENAI
 from appliance.error_answer import error_answer
 from appliance.errors import ApiError, HeadersTooLarge, RequestTimeout, ServiceUnavailable
+from appliance.fences.uvicorn import Connection
 from appliance.metrics import UNROUTED
 from appliance.settings import ServerSettings
-
-CLIENT_LINK = "chat-appliance.client_link"  # the scope extension that carries a ClientLink
-
-
-class ClientLink:
-    """One request's link to its client's connection, for the relay: it writes a streamed
-    answer's body straight to the connection, and it says when the client is gone.
-
-    Writing: from the worker connection's own callback, no task switch and no ASGI send per
-    event. Only for a response uvicorn already started in chunked encoding (a relayed stream,
-    whose head went through ASGI as usual, so middleware saw its status) and only while the
-    client keeps up: `write` says False when the client's socket is paused or gone, and the
-    caller then sends the rest through ASGI, which waits for the client as uvicorn does. The
-    last message (the chunked terminator) always goes through ASGI, which completes the cycle.
-
-    Gone: `on_gone` calls back from the connection's own `connection_lost`, where ASGI would
-    need a task per request parked in `receive()` to hear it, and cancelling that task at the
-    end of every request leaves reference cycles for the collector (a cancelled future's
-    exception holds its frames).
-
-    The link holds uvicorn's cycle weakly: the cycle's scope holds the link."""
-
-    __slots__ = ("_cycle", "_gone")
-
-    def __init__(self, cycle: Any) -> None:
-        self._cycle: Callable[[], Any] = weakref.ref(cycle)  # uvicorn's RequestResponseCycle
-        self._gone: Callable[[], None] | None = None
-
-    def write(self, body: bytes) -> bool:
-        cycle = self._cycle()
-        # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
-        # hears of it on a later turn of the loop, and a closed transport refuses writes.
-        if (cycle is None or cycle.disconnected or cycle.flow.write_paused
-                or cycle.response_complete or not cycle.chunked_encoding
-                or cycle.transport.is_closing()):
-            return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
-
-    def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback` once if the client goes before its answer is complete (at once if
-        it already has); the returned function cancels that."""
-        cycle = self._cycle()
-        if cycle is None or cycle.disconnected:
-            callback()
-            return _nothing
-        self._gone = callback
-
-        def cancel() -> None:
-            self._gone = None
-
-        return cancel
-
-    def has_body(self) -> bool:
-        """The whole request body has arrived: reading it cannot wait on the client."""
-        cycle = self._cycle()
-        return cycle is not None and not cycle.more_body
-
-    def complete(self) -> bool:
-        cycle = self._cycle()
-        return cycle is None or cycle.response_complete
-
-    def lost(self) -> None:
-        """The connection is gone (called by the edge protocol)."""
-        callback, self._gone = self._gone, None
-        if callback is not None and not self.complete():
-            callback()
-
-
-def client_link(scope: Any) -> ClientLink | None:
-    """The request's link to its client, where this edge serves it (not under other servers)."""
-    link = (scope.get("extensions") or {}).get(CLIENT_LINK)
-    return link if isinstance(link, ClientLink) else None
-
-
-def _nothing() -> None:
-    pass
-
-
-class _Refused(Exception):
-    """Raised from a parser callback once the connection was refused: stops the parse."""
 
 
 class EdgeMetrics:
@@ -121,85 +37,60 @@ class EdgeMetrics:
         self.closed.labels(reason=error.reason).inc()
 
 
-def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpToolsProtocol]:
-    """An httptools protocol class with this appliance's limits bound in."""
+def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connection]:
+    """A connection class (uvicorn's, through its fence) with this appliance's limits bound in."""
 
-    class EdgeProtocol(HttpToolsProtocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._head_timer: asyncio.TimerHandle | None = None
-            self._head_bytes = 0
-            self._header_count = 0
-            self._in_head = True  # between requests or inside a request's head
-            self._links: list[ClientLink] = []  # of requests whose answer is not complete
+    class EdgeProtocol(Connection):
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
+        _header_count = 0
+        _in_head = True  # between requests or inside a request's head
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            metrics.open.set(len(self.connections))
-            if len(self.connections) > server.max_connections:
+        def opened(self) -> None:
+            metrics.open.set(self.open_connections)
+            if self.open_connections > server.max_connections:
                 self._refuse(ServiceUnavailable("too many connections; retry shortly",
                                                 retry_after_s=1, code="over_capacity"))
                 return
             self._arm_head_timer()
 
-        def connection_lost(self, exc: Exception | None) -> None:
+        def closed(self) -> None:
             self._disarm_head_timer()
-            super().connection_lost(exc)
-            metrics.open.set(len(self.connections))
-            links, self._links = self._links, []
-            for link in links:
-                link.lost()
+            metrics.open.set(self.open_connections)
 
-        def data_received(self, data: bytes) -> None:
-            if self.transport.is_closing():
-                return
-            super().data_received(data)
+        def after_read(self, size: int) -> None:
             # Counted after parsing: a chunk that completed the head may carry body bytes too.
             # The parser holds at most the limit plus one read's worth of an unfinished head.
-            if self._in_head and not self.transport.is_closing():
-                self._head_bytes += len(data)
+            if self._in_head:
+                self._head_bytes += size
                 if self._head_bytes > server.max_header_bytes:
                     self._refuse(HeadersTooLarge("request head too large (setting "
                                                  "server.max_header_bytes)", code="head_too_large"))
 
-        def on_message_begin(self) -> None:
+        def head_begins(self) -> None:
             self._in_head, self._header_count = True, 0
             if self._head_timer is None:  # the next request on a kept-alive connection
                 self._arm_head_timer()
-            super().on_message_begin()
 
-        def on_header(self, name: bytes, value: bytes) -> None:
+        def header_seen(self) -> bool:
             self._header_count += 1
             if self._header_count > server.max_headers:
                 self._refuse(HeadersTooLarge("too many headers (setting server.max_headers)",
                                              code="too_many_headers"))
-                raise _Refused
-            super().on_header(name, value)
+                return False
+            return True
 
-        def send_400_response(self, msg: str) -> None:
-            if not self.transport.is_closing():  # not after our own refusal stopped the parse
-                super().send_400_response(msg)
-
-        def on_headers_complete(self) -> None:
-            if self.transport.is_closing():
-                return
+        def head_done(self) -> None:
             self._in_head, self._head_bytes = False, 0
             self._disarm_head_timer()
-            super().on_headers_complete()
-            if self.cycle is not None and self.cycle.scope is self.scope:
-                extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
-                link = ClientLink(self.cycle)
-                extensions[CLIENT_LINK] = link
-                self._links.append(link)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)
+        def response_done(self) -> None:
             self._in_head = True
-            self._links = [link for link in self._links if not link.complete()]
 
         def _arm_head_timer(self) -> None:
             self._disarm_head_timer()
-            self._head_timer = self.loop.call_later(server.header_timeout_s, self._head_timeout)
+            self._head_timer = self.event_loop.call_later(server.header_timeout_s,
+                                                          self._head_timeout)
 
         def _disarm_head_timer(self) -> None:
             if self._head_timer is not None:
@@ -210,19 +101,17 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             self._head_timer = None
             if self._head_bytes == 0:  # a connection that never said anything
                 metrics.closed.labels(reason="silent").inc()
-                self.transport.close()
+                self.close()
                 return
             self._refuse(RequestTimeout("the request head did not arrive in time "
                                         "(setting server.header_timeout_s)", code="header_timeout"))
 
         def _refuse(self, error: ApiError) -> None:
             """Answer before any route ran (OpenAI's shape: no route chose one) and close."""
-            if self.transport.is_closing():
+            if self.closing():
                 metrics.error_answered(error, UNROUTED)  # nobody left to answer; still counted
                 return
-            self.transport.write(error_answer(error, OPENAI, None, metrics,
-                                              peer=self.client).http1())
-            self.transport.close()
+            self.write_and_close(error_answer(error, OPENAI, None, metrics, peer=self.peer).http1())
             self._disarm_head_timer()
 
     return EdgeProtocol

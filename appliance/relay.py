@@ -19,10 +19,10 @@ from litestar.types import Message, Receive, Scope, Send
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
 from appliance.apis.shape import ErrorShape, StreamSoFar, upstream_error
-from appliance.edge import ClientLink, client_link
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
 from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
+from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 from pydantic import (
     BaseModel,
@@ -119,6 +121,10 @@ class EngineSettings(_Group):
     python: Path = Field(default_factory=default_engine_python)
     model: str = Field(default_factory=default_model)
     served_model_name: str | None = None
+    # "unix": the worker listens on a socket in a directory only the service user can enter;
+    # "tcp": on host:port, where every local user reaches it past the gate (a fallback only).
+    listen: Literal["unix", "tcp"] = "unix"
+    socket_dir: Path | None = None  # None: see resolved_socket_dir
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -172,8 +178,25 @@ class EngineSettings(_Group):
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name or self.model
 
+    def resolved_socket_dir(self) -> Path:
+        """The worker's private directory (mode 0700): socket_dir, else one per engine port in
+        systemd's RuntimeDirectory, $XDG_RUNTIME_DIR or the temporary directory (private
+        under the unit's PrivateTmp)."""
+        if self.socket_dir is not None:
+            return self.socket_dir.expanduser()
+        runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        root = runtime or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+        return Path(root) / f"chat-appliance-worker-{self.port}"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.resolved_socket_dir() / "worker.sock"
+
     @property
     def base_url(self) -> str:
+        """The worker's address for the worker client: http+unix://<quoted path> or http://."""
+        if self.listen == "unix":
+            return f"http+unix://{quote(str(self.socket_path), safe='')}"
         return f"http://{self.host}:{self.port}"
 
 

@@ -1,4 +1,8 @@
-"""The one HTTP client from the API to the worker: exchanges, small JSON calls, error mapping.
+"""The one HTTP client to the worker: the API's exchanges and the supervisor's probes.
+
+The API's relay and calls use one pool on the serving loop; the probes use a pool of their
+own on a thread of their own (supervisor/engine/probe.py), so request load never delays them.
+The worker is reached over its Unix socket or loopback TCP (appliance/worker_address.py).
 
 A minimal HTTP/1.1 client on asyncio protocols with httptools' C parser: the worker is a
 known local server (vLLM's uvicorn) that always frames its answers, and a general client
@@ -17,8 +21,8 @@ import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import httptools
 import msgspec
@@ -26,6 +30,7 @@ import structlog
 
 from appliance.errors import ApiError, EngineUnavailable, engine_lost
 from appliance.settings import ServerSettings
+from appliance.worker_address import WorkerAddress
 
 log = structlog.get_logger("appliance.upstream")
 
@@ -252,16 +257,33 @@ class Reply:
             raise _lost(exc) from exc
 
 
-class Upstream:
-    """A pool of connections to the worker; every call bounded in time."""
+@dataclass(frozen=True)
+class Limits:
+    """A pool's bounds: connections, and the time to connect, between bytes and kept idle."""
 
-    def __init__(self, base_url: str, server: ServerSettings,
-                 retry_after_s: Callable[[], int]) -> None:
-        split = urlsplit(base_url)
-        self._host, self._port = split.hostname or "127.0.0.1", split.port or 80
-        self._host_header = f"{self._host}:{self._port}".encode()
-        self._server = server
+    connect_timeout_s: float
+    read_timeout_s: float
+    keepalive_s: float
+    max_connections: int
+
+    @classmethod
+    def of(cls, server: ServerSettings) -> Limits:
+        return cls(server.upstream_connect_timeout_s, server.upstream_read_timeout_s,
+                   server.upstream_keepalive_s, server.upstream_max_connections)
+
+
+class Upstream:
+    """A pool of connections to the worker; every call bounded in time.
+
+    `quiet`: failures are logged at debug (the probes, which ask while the worker boots)."""
+
+    def __init__(self, base_url: str, limits: Limits, retry_after_s: Callable[[], int], *,
+                 quiet: bool = False) -> None:
+        self._address = WorkerAddress.parse(base_url)
+        self._host_header = self._address.host_header
+        self._limits = limits
         self._retry_after_s = retry_after_s
+        self._quiet = quiet
         self._idle: collections.deque[_Connection] = collections.deque()
         self._open = 0
         self._freed = asyncio.Condition()
@@ -286,16 +308,22 @@ class Upstream:
                    timeout_s: float = 30.0) -> tuple[int, Any]:
         """A small JSON exchange (tokenize, models): status and decoded body (None if not JSON)."""
         body = None if payload is None else msgspec.json.encode(payload)
+        status, content = await self.fetch(method, path, body, timeout_s)
+        try:
+            return status, msgspec.json.decode(content)
+        except (msgspec.DecodeError, RecursionError):
+            return status, None
+
+    async def fetch(self, method: str, path: str, body: bytes | None = None,
+                    timeout_s: float = 30.0) -> tuple[int, bytes]:
+        """A whole small answer (a JSON body is sent as such): status and body, within
+        `timeout_s` in all; ApiError if the worker did not answer."""
         headers = {"content-type": "application/json"} if body is not None else {}
         try:
             async with asyncio.timeout(timeout_s), self.exchange(method, path, body, headers) as reply:
-                content = await reply.read()
+                return reply.status, await reply.read()
         except TimeoutError as exc:
             raise self._unavailable(exc) from exc
-        try:
-            return reply.status, msgspec.json.decode(content)
-        except (msgspec.DecodeError, RecursionError):
-            return reply.status, None
 
     def _request_bytes(self, method: str, path: str, body: bytes | None,
                        headers: dict[str, str]) -> bytes:
@@ -311,7 +339,7 @@ class Upstream:
         tried again on a fresh connection."""
         for attempt in range(_STALE_RETRIES + 1):
             conn, pooled = await self._acquire()
-            conn.begin(request, self._server.upstream_read_timeout_s)
+            conn.begin(request, self._limits.read_timeout_s)
             try:
                 while not conn.head_done:
                     await conn.wait()
@@ -320,14 +348,15 @@ class Upstream:
                 self._release(conn)
                 if not pooled or exc.answered or attempt == _STALE_RETRIES:
                     raise self._unavailable(exc) from exc
-                log.info("upstream.stale_connection_retried", error=str(exc))
+                (log.debug if self._quiet else log.info)(
+                    "upstream.stale_connection_retried", error=str(exc))
             except BaseException:
                 self._release(conn)  # cancelled (the client left): the close aborts it
                 raise
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _acquire(self) -> tuple[_Connection, bool]:
-        keepalive = self._server.upstream_keepalive_s
+        keepalive = self._limits.keepalive_s
         while self._idle:
             conn = self._idle.pop()
             fresh = time.monotonic() - conn.idle_since < keepalive
@@ -335,12 +364,11 @@ class Upstream:
                 return conn, True
             self._drop(conn)
         async with self._freed:
-            await self._freed.wait_for(lambda: self._open < self._server.upstream_max_connections)
+            await self._freed.wait_for(lambda: self._open < self._limits.max_connections)
         self._open += 1
         try:
-            async with asyncio.timeout(self._server.upstream_connect_timeout_s):
-                _, conn = await asyncio.get_running_loop().create_connection(
-                    _Connection, self._host, self._port)
+            async with asyncio.timeout(self._limits.connect_timeout_s):
+                conn = await self._address.connect(_Connection)
         except (OSError, TimeoutError) as exc:
             self._open -= 1
             raise self._unavailable(exc) from exc
@@ -363,7 +391,8 @@ class Upstream:
             self._freed.notify()
 
     def _unavailable(self, exc: BaseException) -> ApiError:
-        log.warning("upstream.unreachable", error=str(exc) or type(exc).__name__)
+        (log.debug if self._quiet else log.warning)(
+            "upstream.unreachable", error=str(exc) or type(exc).__name__, worker=str(self._address))
         return EngineUnavailable("the engine is not answering; retry shortly",
                                  code="engine_unavailable", retry_after_s=self._retry_after_s(),
                                  reason="engine_unreachable")

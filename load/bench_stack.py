@@ -76,12 +76,16 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
                     api_key: str, workdir: Path, tls: tuple[Path, Path] | None = None,
                     name: str = "appliance") -> Service:
     """`chat-appliance serve` supervising the synthetic upstream as its worker; with `tls`
-    (certificate, key) its port speaks HTTPS."""
+    (certificate, key) its port speaks HTTPS. The appliance reaches the upstream on its Unix
+    socket, as it reaches vLLM; the direct and LiteLLM runs use its port."""
+    socket_dir = workdir / "worker"
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
-                "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
+                "--tokens", str(tokens), "--token-delay", str(token_delay_s),
+                "--uds", str(socket_dir / "worker.sock")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(upstream_port),
+        "CHAT_APPLIANCE_ENGINE__SOCKET_DIR": str(socket_dir),
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_SERVER__API_KEYS": json.dumps([api_key]),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from appliance.fences.vllm import Env
 from load.bench_stack import ROOT, Service, wait_http
 from load.fair_traffic import Sample, chat, under_flood
 from supervisor.engine.stats import parse_engine_stats
@@ -88,6 +89,8 @@ def start(workdir: Path, args: argparse.Namespace) -> tuple[Service, str, str]:
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        # Phase 3 sends its backlog to the worker directly, past the gate: the TCP fallback.
+        "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_ENGINE__MAX_NUM_SEQS": str(args.slots + args.headroom),
         "CHAT_APPLIANCE_ADMISSION__PRIORITY_HEADROOM": str(args.headroom),
@@ -103,7 +106,7 @@ def start(workdir: Path, args: argparse.Namespace) -> tuple[Service, str, str]:
     }
     if args.engine_threads:
         env["CHAT_APPLIANCE_ENGINE__ENV"] = json.dumps(
-            {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.engine_threads)})
+            {Env.CPU_OMP_THREADS_BIND: "nobind", "OMP_NUM_THREADS": str(args.engine_threads)})
     log_path = workdir / "fairness-appliance.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], stdout=log,

@@ -8,7 +8,7 @@ import gc
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
@@ -20,6 +20,7 @@ from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState
+from appliance.fences.uvicorn import ApiServer
 from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.control import control_socket
@@ -32,6 +33,7 @@ from supervisor.engine.gpu_budget import (
     read_model_shape,
 )
 from supervisor.engine.launcher import build_launcher
+from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
 from supervisor.gpu.watch import build_gpu_watch
@@ -48,32 +50,6 @@ log = structlog.get_logger("supervisor.serve")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the supervisor decides when the API stops.
-
-    uvicorn's main loop wakes ten times a second to see whether it should exit; this one wakes
-    once a second (to date the answers, as uvicorn does each tenth turn) and at once on stop().
-    """
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self._stopping = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    def stop(self) -> None:
-        self.should_exit = True
-        self._stopping.set()
-
-    async def main_loop(self) -> None:
-        while not await self.on_tick(0):  # tick 0: the Date header is refreshed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self._stopping.wait()
 
 
 class Signals:
@@ -125,6 +101,11 @@ async def serve(settings: Settings) -> int:
 
     # 1. The engine manager, its monitors and the GPU monitor (absent GPU: probes alone).
     prepare_cache_dir(engine.resolved_cache_dir())
+    try:
+        prepare_socket_dir(engine)
+    except (ListenError, OSError) as exc:
+        log.error("engine.socket_dir_refused", error=str(exc))
+        return EXIT_FAILURE
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
     admission = Admission.from_settings(settings)
@@ -160,7 +141,7 @@ async def serve(settings: Settings) -> int:
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
                      else None)
     protocol = edge_protocol(settings.server, EdgeMetrics(registry))
-    server = _Server(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+    server = ApiServer(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,
                                     lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
                                     proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
@@ -254,14 +235,14 @@ def size_gpu_reservation(
     return reservation
 
 
-async def _run_server(server: _Server) -> None:
+async def _run_server(server: ApiServer) -> None:
     try:
         await server.serve()
     except SystemExit:  # uvicorn exits this way when it cannot bind
         log.error("supervisor.api_exit")
 
 
-async def _wait_listening(server: _Server, task: asyncio.Task[None]) -> bool:
+async def _wait_listening(server: ApiServer, task: asyncio.Task[None]) -> bool:
     while not server.started:
         if task.done():
             return False

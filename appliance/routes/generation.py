@@ -15,8 +15,8 @@ from litestar.types import ASGIApp
 
 from appliance.apis.api import GenerationApi, WorkerRoute
 from appliance.context import REQUEST_ID
-from appliance.edge import client_link
 from appliance.errors import BadRequest, RequestTimeout
+from appliance.fences.uvicorn import client_link
 from appliance.gate.gate import Vetted
 from appliance.outbound import Outbound, PassThrough, Refine
 from appliance.relay import Relay, RelayDeps

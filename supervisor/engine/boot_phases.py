@@ -1,10 +1,10 @@
 """The engine's boot in phases a person can follow, read from the worker's own log lines.
 
 A cold start is a minute or more of silence from the API's point of view (503s). vLLM says
-what it is doing in its log, in words that differ by device and version; this module knows
-the lines that open each phase (vLLM 0.32: CPU and CUDA model runners, the api_server entry
-and `vllm serve`) and logs `engine.boot` once per phase with the seconds since the spawn,
-then `engine.booted` with the whole timeline. A line it does not know changes nothing, so a
+what it is doing in its log, in words that differ by device and version; the vLLM contract
+(appliance/fences/vllm.py) knows the lines that open each phase, and this module logs
+`engine.boot` once per phase with the seconds since the spawn, then `engine.booted` with the
+whole timeline. A line it does not know changes nothing, so a
 new vLLM that rewords a line costs a phase in the display, never the boot.
 """
 
@@ -17,22 +17,18 @@ from dataclasses import dataclass
 
 import structlog
 
+from appliance.fences.vllm import BOOT_LINES
+
 log = structlog.get_logger("supervisor.boot")
 
 IMPORTING = "importing vLLM"
-READY = "ready"
+READY = "ready"  # the name of BOOT_LINES' last phase
 
-# In boot order: the phase a line opens, and the lines that open it. Phases only move forward,
-# so the same words repeated later (EngineCore reprints config warnings) change nothing.
-_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("configuring", re.compile(r"non-default args:|vLLM API server version")),
-    ("starting the engine core", re.compile(r"Initializing a V1 LLM engine")),
-    ("loading weights", re.compile(r"Starting to load model")),
-    ("allocating the KV cache", re.compile(r"Loading weights took|Model loading took")),
-    ("starting the API server", re.compile(
-        r"init engine \(profile, create kv cache, warmup model\) took|Starting vLLM (API )?server")),
-    (READY, re.compile(r"Application startup complete")),
-)
+# In boot order: the phase a line opens, and the lines that open it (the vLLM contract's).
+# Phases only move forward, so the same words repeated later (EngineCore reprints config
+# warnings) change nothing.
+_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (name, re.compile(lines)) for name, lines in BOOT_LINES)
 
 
 @dataclass(frozen=True)

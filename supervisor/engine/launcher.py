@@ -9,18 +9,11 @@ from pathlib import Path
 
 import structlog
 
+from appliance.fences.vllm import API_PRELOADS, API_WARM, CPU_ENGINE_WARM
 from appliance.settings import EngineSettings
-from supervisor.engine.worker import (
-    ProcessLauncher,
-    SessionWorker,
-    build_command,
-    build_env,
-    port_released,
-)
+from supervisor.engine.listen import listen_released
+from supervisor.engine.worker import ProcessLauncher, SessionWorker, build_command, build_env
 from supervisor.template.process import (
-    API_PRELOADS,
-    API_WARM,
-    CPU_ENGINE_WARM,
     MAX_TEMPLATE_FAILURES,
     TEMPLATE_SCRIPT,
     TemplateError,
@@ -84,7 +77,7 @@ class TemplateLauncher:
     async def start(self) -> SessionWorker:
         reason = await self._ready_template()
         if self._template is not None and reason is None:
-            await port_released(self._engine.host, self._engine.port)
+            await listen_released(self._engine)
             try:
                 argv = self._engine.command or build_command(self._engine, self._media_hosts)
                 worker = await self._template.fork(argv, os.getcwd(),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from appliance.fences.vllm import Metric
+
 _WANTED = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:iteration_tokens_total_count": "iterations",
-    "vllm:num_preemptions_total": "preemptions",
+    Metric.REQUESTS_RUNNING: "running",
+    Metric.REQUESTS_WAITING: "waiting",
+    Metric.KV_CACHE_USAGE: "kv_cache_usage",
+    Metric.PROMPT_TOKENS: "prompt_tokens",
+    Metric.GENERATION_TOKENS: "generation_tokens",
+    Metric.ITERATION_TOKENS_COUNT: "iterations",
+    Metric.PREEMPTIONS: "preemptions",
 }
 # Only the wanted series' lines: the worker's page is ~60 KB (600 lines, mostly histogram
 # buckets) and a pattern that starts with a literal is searched for, not tried at each line.

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -17,65 +16,65 @@ from typing import Protocol
 import psutil
 import structlog
 
+from appliance.fences.vllm import SERVER_MODULE, Env, Flag
 from appliance.settings import EngineSettings
 from supervisor.engine.boot_phases import BootPhases
+from supervisor.engine.listen import listen_flags, listen_released
 from supervisor.engine.worker_output import WorkerOutput
 from supervisor.sdnotify import ENV_VARS
 
 log = structlog.get_logger("supervisor.engine.worker")
 
-VLLM_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 NO_MEDIA_HOST = "none.invalid"
-PORT_RELEASE_S = 10.0  # how long a start waits for the old worker's port
 PIPE_LINE_LIMIT = 2**16  # bytes per output line, as asyncio's own default; longer lines are skipped
 
 
 def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) -> list[str]:
-    """`python -m <vllm server>` with the settings turned into flags; the worker binds loopback."""
+    """`python -m <vLLM's server>` with the settings turned into flags; the worker listens on
+    its private Unix socket (or loopback TCP: engine.listen)."""
     cpu = engine.resolved_device() == "cpu"
     args = [
-        str(engine.python), "-m", VLLM_ENTRY,
-        "--model", engine.model,
-        "--served-model-name", engine.model_name,
-        "--host", engine.host,
-        "--port", str(engine.port),
-        "--dtype", engine.dtype or ("float32" if cpu else "auto"),
+        str(engine.python), "-m", SERVER_MODULE,
+        Flag.MODEL, engine.model,
+        Flag.SERVED_MODEL_NAME, engine.model_name,
+        *listen_flags(engine),
+        Flag.DTYPE, engine.dtype or ("float32" if cpu else "auto"),
     ]
     if engine.enforce_eager if engine.enforce_eager is not None else cpu:
-        args.append("--enforce-eager")
+        args.append(Flag.ENFORCE_EAGER)
     if engine.max_model_len is not None:
-        args += ["--max-model-len", str(engine.max_model_len)]
+        args += [Flag.MAX_MODEL_LEN, str(engine.max_model_len)]
     if engine.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+        args += [Flag.MAX_NUM_SEQS, str(engine.max_num_seqs)]
     if cpu:
         # One process on the CPU: the multiprocess executor only costs memory there.
         kv_bytes = engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-        args += ["--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(kv_bytes)]
+        args += [Flag.DISTRIBUTED_EXECUTOR_BACKEND, "uni", Flag.KV_CACHE_MEMORY_BYTES, str(kv_bytes)]
     else:
         # None: serve could not size it (logged); vLLM's own default applies.
         if engine.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+            args += [Flag.GPU_MEMORY_UTILIZATION, str(engine.gpu_memory_utilization)]
         if engine.kv_cache_memory_bytes is not None:
-            args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+            args += [Flag.KV_CACHE_MEMORY_BYTES, str(engine.kv_cache_memory_bytes)]
     if engine.tool_call_parser:
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser]
+        args += [Flag.ENABLE_AUTO_TOOL_CHOICE, Flag.TOOL_CALL_PARSER, engine.tool_call_parser]
     if engine.reasoning_parser:
-        args += ["--reasoning-parser", engine.reasoning_parser]
+        args += [Flag.REASONING_PARSER, engine.reasoning_parser]
     if engine.trust_remote_code:
-        args.append("--trust-remote-code")
+        args.append(Flag.TRUST_REMOTE_CODE)
     # Defence in depth behind the gate's SSRF check: vLLM itself fetches only from these hosts
     # (a reserved, never-resolving name when none is allowed) and follows no redirect.
-    args += ["--allowed-media-domains", *(media_hosts or [NO_MEDIA_HOST])]
+    args += [Flag.ALLOWED_MEDIA_DOMAINS, *(media_hosts or [NO_MEDIA_HOST])]
     # The gate counts a Responses prompt exactly with the worker's /v1/responses/render, one of
-    # vLLM's scale-out routes; they stay on loopback, and the API never exposes them.
-    args.append("--enable-scale-out")
+    # vLLM's scale-out routes; they stay with the worker, and the API never exposes them.
+    args.append(Flag.ENABLE_SCALE_OUT)
     # The appliance writes every request's access line, with its request id. vLLM's own would
     # say it again, and say every probe's /health and /metrics read besides: each one a line
     # the worker formats and the supervisor reads off the pipe and logs again.
-    args.append("--disable-uvicorn-access-log")
+    args.append(Flag.DISABLE_UVICORN_ACCESS_LOG)
     if engine.tokenizer_info:
-        args.append("--enable-tokenizer-info-endpoint")  # read-only: the chat template, specials
+        args.append(Flag.ENABLE_TOKENIZER_INFO_ENDPOINT)  # read-only: the chat template, specials
     return args + list(engine.extra_args)
 
 
@@ -83,13 +82,13 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
     env = dict(os.environ)
     # Nothing may download weights at run time; the worker reads local directories only.
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-                "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"})
+                Env.MEDIA_URL_ALLOW_REDIRECTS: "0"})
     env.pop("VIRTUAL_ENV", None)
     for key in ENV_VARS:  # systemd's notify socket is the supervisor's alone
         env.pop(key, None)
     if engine.resolved_device() == "cpu":
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1" if engine.responses_store else "0"
+        env.setdefault(Env.ENABLE_V1_MULTIPROCESSING, "0")
+    env[Env.ENABLE_RESPONSES_API_STORE] = "1" if engine.responses_store else "0"
     env.update(cache_env(engine))
     env.update(engine.env)
     return env
@@ -102,40 +101,10 @@ def cache_env(engine: EngineSettings) -> dict[str, str]:
     only while the model, config, hardware and free memory still match). Nothing here matters on
     the CPU default, which runs eager."""
     root = engine.resolved_cache_dir()
-    env = {"VLLM_CACHE_ROOT": str(root)}
+    env = {Env.CACHE_ROOT: str(root)}
     if engine.resolved_device() == "cuda":
-        env["VLLM_ENABLE_STARTUP_PLAN"] = "1"
+        env[Env.ENABLE_STARTUP_PLAN] = "1"
     return env
-
-
-async def port_released(host: str, port: int, timeout_s: float = PORT_RELEASE_S) -> bool:
-    """Waits until nothing listens on the worker's port: a worker restarted at once after a
-    kill can otherwise find its predecessor's socket still open (the kernel closes it as the
-    killed tree finishes exiting) and die on 'Address already in use'. False after timeout_s
-    (logged); the start goes ahead and a failed boot is handled as any other."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    waited = False
-    while not _bindable(host, port):
-        if loop.time() >= deadline:
-            log.warning("worker.port_busy", host=host, port=port, waited_s=timeout_s)
-            return False
-        waited = True
-        await asyncio.sleep(0.05)
-    if waited:
-        log.info("worker.port_released", host=host, port=port)
-    return True
-
-
-def _bindable(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -261,7 +230,7 @@ class ProcessLauncher:
                 "or set engine.python"
             )
         command = self._engine.command or build_command(self._engine, self._media_hosts)
-        await port_released(self._engine.host, self._engine.port)
+        await listen_released(self._engine)
         loop = asyncio.get_running_loop()
         transport, protocol = await loop.subprocess_exec(
             lambda: _ExitProtocol(loop),

@@ -27,6 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# vLLM's names: the contract module, which engine_side.py loads by path under this name in the
+# engine venv (where the repository is no package to import from).
+contract = (sys.modules.get("chat_appliance_vllm_contract")
+            or importlib.import_module("appliance.fences.vllm"))
 # libzmq names its I/O and reaper threads; a forked child never touches the parent's context.
 FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
 # A new thread carries the process's name until it names itself: wait that long for names.
@@ -36,13 +40,13 @@ LOG_PREFIX = "chat-appliance engine_template:"
 
 def install_engine_core_fork_policy() -> None:
     """Route every vLLM lookup of get_mp_context through the fork policy below."""
-    system_utils = importlib.import_module("vllm.utils.system_utils")
-    vllm_choice = system_utils.get_mp_context
+    system_utils = importlib.import_module(contract.MP_CONTEXT_MODULE)
+    vllm_choice = getattr(system_utils, contract.MP_CONTEXT_FUNCTION)
     policy = engine_mp_context(vllm_choice)
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get("get_mp_context") is vllm_choice:
-            setattr(module, "get_mp_context", policy)  # noqa: B010 (a module of vLLM's, untyped)
+        if isinstance(namespace, dict) and namespace.get(contract.MP_CONTEXT_FUNCTION) is vllm_choice:
+            setattr(module, contract.MP_CONTEXT_FUNCTION, policy)
 
 
 def engine_mp_context(vllm_choice: Callable[[], Any]) -> Callable[[], Any]:
@@ -108,13 +112,13 @@ def is_listening_socket(fd: int) -> bool:
 
 
 def cpu_platform() -> bool:
-    return bool(importlib.import_module("vllm.platforms").current_platform.is_cpu())
+    return bool(importlib.import_module(contract.PLATFORMS_MODULE).current_platform.is_cpu())
 
 
 def fork_unsafe_reasons() -> list[str]:
     reasons = []
-    if "--numa-bind" in sys.argv:
-        reasons.append("--numa-bind needs spawn")
+    if contract.Flag.NUMA_BIND in sys.argv:
+        reasons.append(f"{contract.Flag.NUMA_BIND} needs spawn")
     if cuda_initialized():
         reasons.append("CUDA is initialised")
     foreign = foreign_threads()

@@ -3,7 +3,8 @@
 Run BY PATH with the engine venv's interpreter, never imported: the engine venv holds the
 `supervisor` distribution (supervisord), whose import name collides with this package, so this
 file imports nothing from the repository as a package, only the standard library, what it
-preloads, and its sibling engine_fork.py by path.
+preloads, and by path its sibling engine_fork.py and the vLLM contract
+(appliance/fences/vllm.py).
 
 Control channel: a SOCK_SEQPACKET socket passed as --control-fd; one JSON object per message.
   template -> supervisor   {"event": "ready", facts...} once the preloads are imported
@@ -48,9 +49,10 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     del sys.path[0]
 
 
-def load_sibling(name: str) -> ModuleType:
-    """A module of this directory, loaded by path under a name no distribution uses."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+def load_by_path(name: str, *relative: str) -> ModuleType:
+    """A module of the repository, by its path from this directory, under a name no
+    distribution uses."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *relative)
     spec = importlib.util.spec_from_file_location(f"chat_appliance_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -59,7 +61,9 @@ def load_sibling(name: str) -> ModuleType:
     return module
 
 
-engine_fork = load_sibling("engine_fork")
+# vLLM's module paths and names, which engine_fork reads under this name (appliance/fences/vllm.py)
+load_by_path("vllm_contract", os.pardir, os.pardir, "appliance", "fences", "vllm.py")
+engine_fork = load_by_path("engine_fork", "engine_fork.py")
 
 MAX_MESSAGE_BYTES = 1 << 20
 START_FDS = 2  # the worker's stdout and stderr

@@ -28,32 +28,6 @@ from supervisor.engine.worker import SessionWorker, StopReport, pump_lines
 log = structlog.get_logger("supervisor.template.process")
 
 TEMPLATE_SCRIPT = Path(__file__).with_name("engine_side.py")
-# What vLLM's API server imports before it serves: the template fails without these.
-API_PRELOADS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.v1.engine.async_llm",
-                "vllm.v1.engine.core")
-# What it would import after forking, best effort (module names move between vLLM versions).
-API_WARM = (
-    "vllm.transformers_utils.chat_templates",
-    "vllm.entrypoints.serve.sagemaker.api_router",
-    "model_hosting_container_standards.sagemaker",  # imported when the routes are attached
-    "vllm.entrypoints.generate.factories",
-    "vllm.entrypoints.serve.lora.api_router",
-    "vllm.entrypoints.scale_out.factories",
-    "vllm.entrypoints.serve.instrumentator.metrics",
-)
-# What EngineCore imports on the CPU. On a GPU the engine core's modules are left to vLLM to
-# import after its own fork: the template must never risk touching CUDA.
-CPU_ENGINE_WARM = (
-    "vllm.v1.executor.uniproc_executor",
-    "vllm.v1.executor.multiproc_executor",
-    "vllm.v1.worker.cpu_worker",
-    "vllm.v1.core.sched.scheduler",
-    "vllm.distributed.elastic_ep.elastic_execute",
-    "vllm.v1.pool.flash_maxsim",
-    "vllm.model_executor.layers.quantization.online",
-    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    "vllm.model_executor.models.llama",  # the bundled model's family, and the base of many
-)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_TEMPLATE_FAILURES = 3  # consecutive deaths or failed boots before spawning for good
 EXIT_UNKNOWN = 255  # a worker whose template died before reaping it: its status is lost

@@ -40,7 +40,9 @@ TEST_TIMEOUT_S = 300  # one test; vLLM's slowest here generate ~1000 tokens
 RUN_TIMEOUT_S = 3600  # one whole run of the selection
 # `--serve` only: the worker is busy with traffic the supervisor cannot see (the direct run),
 # so its idle canary must not take a queued decode for a hang.
-SERVE_SETTINGS = {"supervisor__canary_timeout_s": "600", "engine__max_model_len": "8192"}
+# vLLM's own tests run against the worker directly, by URL: the worker's TCP fallback.
+SERVE_SETTINGS = {"supervisor__canary_timeout_s": "600", "engine__max_model_len": "8192",
+                  "engine__listen": "tcp"}
 
 
 @dataclass(frozen=True)

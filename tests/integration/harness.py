@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +31,24 @@ class Appliance:
     proc: subprocess.Popen[bytes]
     log_path: Path
     engine_port: int
+    engine_socket: Path | None = None  # the worker's Unix socket (None: it listens on TCP)
 
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=5)
+
+    def engine_get(self, path: str, timeout_s: float = 10) -> httpx.Response:
+        """GET straight from the worker, past the API (its /metrics, say)."""
+        return self.engine_call("GET", path, timeout_s=timeout_s)
+
+    def engine_call(self, method: str, path: str, timeout_s: float = 10,
+                    **kwargs: object) -> httpx.Response:
+        """A request straight to the worker, on its Unix socket or loopback port."""
+        if self.engine_socket is None:
+            transport, base = httpx.HTTPTransport(), f"http://127.0.0.1:{self.engine_port}"
+        else:
+            transport, base = httpx.HTTPTransport(uds=str(self.engine_socket)), "http://worker"
+        with httpx.Client(transport=transport, base_url=base, timeout=timeout_s) as client:
+            return client.request(method, path, **kwargs)  # type: ignore[arg-type]
 
     def worker_pid(self) -> int:
         return int(self.health().json()["pid"])
@@ -81,11 +98,14 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
                       **settings: str) -> Iterator[Appliance]:
     require_engine()
     port, engine_port = free_port(), free_port()
+    # Short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path can be longer.
+    run_dir = Path(tempfile.mkdtemp(prefix="ca-run-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
     env |= {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        "CHAT_APPLIANCE_ENGINE__SOCKET_DIR": str(run_dir / "worker"),
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "CHAT_APPLIANCE_SUPERVISOR__BACKOFF_INITIAL_S": "0.5",
@@ -96,7 +116,9 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
-    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
+    tcp = env.get("CHAT_APPLIANCE_ENGINE__LISTEN") == "tcp"
+    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port,
+                          None if tcp else run_dir / "worker" / "worker.sock")
     try:
         yield appliance
     finally:
@@ -104,6 +126,7 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
         with contextlib.suppress(Exception):  # a test that failed mid-way must not leak a worker
             for member in session_members(appliance.proc.pid):
                 member.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def worker_tree(pid: int) -> list[int]:
@@ -128,6 +151,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(worker),
+        "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",  # the synthetic upstream listens on TCP only
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}

@@ -166,7 +166,7 @@ def test_innocent_requests_after_a_worker_500_are_all_served(edge: Appliance) ->
 
 
 def _tokenize_calls(appliance: Appliance) -> float:
-    text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=10).text
+    text = appliance.engine_get("/metrics", timeout_s=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("http_requests_total{") and 'handler="/tokenize"' in line)
 

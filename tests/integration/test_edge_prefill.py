@@ -35,15 +35,14 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
 
 def _prompt_of(appliance: Appliance, tokens: int) -> str:
     """Text that the worker's own tokenizer counts as exactly `tokens` tokens."""
-    engine = f"http://127.0.0.1:{appliance.engine_port}"
     model = httpx.get(f"{appliance.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    ids = httpx.post(f"{engine}/tokenize", json={"model": model, "prompt": "hello world " * tokens,
-                                                  "add_special_tokens": False},
-                     timeout=60).json()["tokens"][:tokens]
-    text = str(httpx.post(f"{engine}/detokenize", json={"model": model, "tokens": ids},
-                          timeout=60).json()["prompt"])
-    count = httpx.post(f"{engine}/tokenize", json={"model": model, "prompt": text},
-                       timeout=60).json()["count"]
+    ids = appliance.engine_call("POST", "/tokenize", timeout_s=60, json={
+        "model": model, "prompt": "hello world " * tokens, "add_special_tokens": False,
+    }).json()["tokens"][:tokens]
+    text = str(appliance.engine_call("POST", "/detokenize", timeout_s=60,
+                                     json={"model": model, "tokens": ids}).json()["prompt"])
+    count = appliance.engine_call("POST", "/tokenize", timeout_s=60,
+                                  json={"model": model, "prompt": text}).json()["count"]
     assert abs(count - tokens) <= 2, count
     return text
 

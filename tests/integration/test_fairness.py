@@ -65,7 +65,7 @@ def test_a_flood_gets_429_naming_its_limit_while_another_client_is_served(fair: 
 
 def engine_stats(appliance: Appliance) -> EngineStats:
     return parse_engine_stats(
-        httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text)
+        appliance.engine_get("/metrics", timeout_s=5).text)
 
 
 def until(condition: Callable[[], bool], within_s: float = 120) -> None:

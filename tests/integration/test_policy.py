@@ -51,7 +51,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 
 def engine_running(appliance: Appliance) -> float:
-    text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text
+    text = appliance.engine_get("/metrics", timeout_s=5).text
     return parse_engine_stats(text).running
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.integration.harness import Appliance, running_appliance, worker_tree
@@ -88,6 +90,22 @@ def test_health_reports_the_worker(appliance: Appliance) -> None:
     assert detail["pid"] and worker_tree(detail["pid"])
     assert detail["restarts"] >= 0 and detail["uptime_s"] >= 0
     assert httpx.get(f"{appliance.url}/livez", timeout=5).status_code == 200
+
+
+def test_the_worker_listens_only_on_its_private_unix_socket(appliance: Appliance) -> None:
+    """No other local user reaches the worker's routes past the gate: its server listens on no
+    TCP port, only on a socket in a directory only the service user may enter. (EngineCore's
+    own loopback listeners, torch.distributed's gloo transport, serve no HTTP route.)"""
+    socket_path = appliance.engine_socket
+    assert socket_path is not None and socket_path.is_socket()
+    assert stat.S_IMODE(socket_path.parent.stat().st_mode) == 0o700
+    server = psutil.Process(appliance.worker_pid())
+    assert [c.laddr for c in server.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN] == []
+    assert str(socket_path) in {c.laddr for c in server.net_connections(kind="unix")}
+    with pytest.raises(httpx.ConnectError):  # the configured port is not served at all
+        httpx.get(f"http://127.0.0.1:{appliance.engine_port}/health", timeout=5)
+    assert appliance.engine_get("/health").status_code == 200  # the service user's way in
 
 
 def _open_stream(appliance: Appliance, lines: list[str], started: threading.Event) -> None:

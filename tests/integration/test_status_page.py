@@ -33,7 +33,7 @@ def page(appliance: Appliance) -> Iterator[Page]:
 
 def engine_running(appliance: Appliance) -> float:
     """The worker's own vllm:num_requests_running."""
-    text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=10).text
+    text = appliance.engine_get("/metrics", timeout_s=10).text
     return parse_engine_stats(text).running
 
 

@@ -134,6 +134,7 @@ def _env(settings: Mapping[str, object], port: int, engine_port: int,
     env |= {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
+        "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",  # the synthetic upstream listens on TCP only
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -385,10 +386,22 @@ def main() -> None:
     parser.add_argument("--faults", action="store_true", help="vLLM's 400s and crashes (see above)")
     parser.add_argument("--boot-s", type=float, default=0.0,
                         help="seconds before it listens, as a real engine loads its model")
+    parser.add_argument("--uds", help="listen on this Unix socket too, as vLLM's --uds (the "
+                                      "appliance's way in; the port stays for direct runs)")
     args = parser.parse_args()
     time.sleep(args.boot_s)
     app = SyntheticWorker(args.tokens, args.token_delay, args.model, faults=args.faults)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    if args.uds is None:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        return
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(args.uds)
+    tcp = socket.create_server((args.host, args.port))
+    # Inherited by each accepted connection: uvloop sets it only on sockets it bound itself.
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sockets = [tcp, unix]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    asyncio.run(server.serve(sockets=sockets))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import httptools
 import pytest
 
-from appliance.edge import ClientLink
+from appliance.fences.uvicorn import ClientLink
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import pytest
 
 from appliance.errors import EngineUnavailable
 from appliance.settings import ServerSettings
-from appliance.upstream import Upstream
+from appliance.upstream import Limits, Upstream
 from tests.net import free_port
 
 pytestmark = pytest.mark.anyio
@@ -28,12 +32,14 @@ class Server:
     requests: int = 0
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     asked: asyncio.Event = field(default_factory=asyncio.Event)  # a request arrived
+    heads: list[bytes] = field(default_factory=list)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length")), 0)
                 await reader.readexactly(length)
@@ -50,25 +56,50 @@ class Server:
             writer.close()
 
 
+def address(transport: str) -> tuple[str, str | int]:
+    """A worker URL for the transport, and where its listener binds."""
+    if transport == "unix":
+        path = os.path.join(tempfile.mkdtemp(prefix="ca-upstream-"), "worker.sock")
+        return f"http+unix://{quote(path, safe='')}", path
+    port = free_port()
+    return f"http://127.0.0.1:{port}", port
+
+
 @contextlib.asynccontextmanager
 async def serving(answer: Callable[[int, asyncio.StreamWriter], bytes | None],
-                  settings: ServerSettings | None = None
+                  settings: ServerSettings | None = None, transport: str = "tcp"
                   ) -> AsyncIterator[tuple[Server, Upstream]]:
-    server, port = Server(answer), free_port()
-    listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
-    upstream = Upstream(f"http://127.0.0.1:{port}", settings or ServerSettings(), lambda: 3)
+    server, (url, where) = Server(answer), address(transport)
+    if isinstance(where, str):
+        listener = await asyncio.start_unix_server(server.handle, where)
+    else:
+        listener = await asyncio.start_server(server.handle, "127.0.0.1", where)
+    upstream = Upstream(url, Limits.of(settings or ServerSettings()), lambda: 3)
     try:
         yield server, upstream
     finally:
         await upstream.aclose()
         listener.close()
+        if isinstance(where, str):
+            shutil.rmtree(os.path.dirname(where))
 
 
-async def test_keep_alive_connections_are_reused() -> None:
-    async with serving(lambda n, w: OK) as (server, upstream):
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+async def test_keep_alive_connections_are_reused(transport: str) -> None:
+    async with serving(lambda n, w: OK, transport=transport) as (server, upstream):
         for _ in range(5):
             assert await upstream.call("GET", "/v1/models") == (200, {})
     assert (server.requests, server.connections) == (5, 1)
+    host = b"host: localhost" if transport == "unix" else b"host: 127.0.0.1:"
+    assert host in server.heads[0]
+
+
+async def test_a_whole_answer_is_fetched_as_bytes_over_the_unix_socket() -> None:
+    """What the probes read: /metrics is text, not JSON."""
+    page = b"vllm:num_requests_running 1.0\n"
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(page), page)
+    async with serving(lambda n, w: answer, transport="unix") as (_, upstream):
+        assert await upstream.fetch("GET", "/metrics", timeout_s=5) == (200, page)
 
 
 async def test_a_pooled_connection_the_worker_closed_is_retried_on_a_fresh_one() -> None:
@@ -84,7 +115,8 @@ async def test_a_pooled_connection_the_worker_closed_is_retried_on_a_fresh_one()
     assert server.connections == 2
 
 
-async def test_a_worker_gone_mid_answer_is_engine_lost() -> None:
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+async def test_a_worker_gone_mid_answer_is_engine_lost(transport: str) -> None:
     partial = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                b"transfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n")
 
@@ -92,7 +124,7 @@ async def test_a_worker_gone_mid_answer_is_engine_lost() -> None:
         asyncio.get_running_loop().call_later(0.05, writer.close)
         return partial
 
-    async with serving(answer) as (_, upstream), \
+    async with serving(answer, transport=transport) as (_, upstream), \
             upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
         assert reply.status == 200
         with pytest.raises(EngineUnavailable) as caught:
@@ -101,8 +133,11 @@ async def test_a_worker_gone_mid_answer_is_engine_lost() -> None:
     assert caught.value.code == "engine_lost"
 
 
-async def test_nothing_listening_is_engine_unavailable() -> None:
-    upstream = Upstream(f"http://127.0.0.1:{free_port()}", ServerSettings(), lambda: 3)
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+async def test_nothing_listening_is_engine_unavailable(transport: str) -> None:
+    url = ("http+unix://%2Fnonexistent%2Fworker.sock" if transport == "unix"
+           else f"http://127.0.0.1:{free_port()}")
+    upstream = Upstream(url, Limits.of(ServerSettings()), lambda: 3)
     with pytest.raises(EngineUnavailable) as caught:
         await upstream.call("GET", "/health")
     assert caught.value.code == "engine_unavailable" and caught.value.retry_after_s == 3

@@ -26,6 +26,7 @@ class Fence:
 
     module: str  # "appliance/fences/litestar.py"
     dependency: str  # "litestar"
+    pinned_in: str = "pyproject.toml"  # where its version bound is moved
 
     @property
     def installed(self) -> str:
@@ -38,7 +39,7 @@ class Fence:
                 f"FENCE {self.module} is broken by {self.dependency} {self.installed}: it "
                 f"assumes {assumption}" + (f"; found {found!r}" if found != "" else "") + ". "
                 f"Re-read that module against this version, mend it, and move the upper bound "
-                f"of {self.dependency} in pyproject.toml.", pytrace=False)
+                f"of {self.dependency} in {self.pinned_in}.", pytrace=False)
 
     def attribute(self, owner: object, name: str) -> Any:
         """`owner.name`, which the fence relies on."""

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from supervisor.serve import _Server
+from appliance.fences.uvicorn import ApiServer
 from tests.net import free_port
 from tests.unit.appliance.fakes import eventually
 
@@ -27,7 +27,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 async def test_answers_are_dated_and_stop_is_prompt() -> None:
     port = free_port()
-    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
                                     lifespan="off"))
     task = asyncio.create_task(server.serve())
     await eventually(lambda: server.started)

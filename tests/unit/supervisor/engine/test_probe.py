@@ -1,12 +1,18 @@
-"""The prober against a real HTTP server on loopback: answers, failures that never raise, and
+"""The prober against a real HTTP server on loopback or a Unix socket: answers, failures that never raise, and
 a kept-alive connection the worker closed while idle, which is sent again, not a failed probe."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
+import shutil
+import socketserver
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -24,12 +30,15 @@ class Worker(http.server.BaseHTTPRequestHandler):
     chunked = False  # answer in chunked encoding, a few bytes at a time
     stall_s = 0.0  # wait this long before answering
     connections = 0
+    on_request: Callable[[], None] | None = None  # called as each request arrives
 
     def setup(self) -> None:
         super().setup()
         type(self).connections += 1
 
     def do_GET(self) -> None:
+        if Worker.on_request is not None:
+            Worker.on_request()
         body = {"/health": b"", "/metrics": METRICS}.get(self.path)
         self._answer(200 if body is not None else 404, body or b"")
 
@@ -133,4 +142,43 @@ async def test_a_worker_slower_than_the_timeout_fails_the_probe_and_its_connecti
         assert await prober.healthy()  # on a fresh connection: the late answer is not read
         assert Worker.connections == 2
     finally:
+        await prober.aclose()
+
+
+class UnixWorkerServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+async def test_probes_reach_a_worker_on_its_unix_socket(tmp_path: Path) -> None:
+    Worker.connections, Worker.drop_idle, Worker.chunked, Worker.stall_s = 0, False, False, 0.0
+    path = Path(tempfile.mkdtemp(prefix="ca-probe-")) / "worker.sock"
+    server = UnixWorkerServer(str(path), Worker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prober = HttpProber(f"http+unix://{quote(str(path), safe='')}", "m", timeout_s=5)
+    try:
+        assert await prober.healthy()
+        stats = await prober.engine_stats()
+        assert stats is not None and stats.generation_tokens == 42.0
+        assert Worker.connections == 1
+    finally:
+        await prober.aclose()
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(path.parent)
+
+
+async def test_a_probe_reaches_the_worker_while_the_calling_loop_is_blocked(worker) -> None:  # type: ignore[no-untyped-def]
+    """The probes' isolation: their exchange runs on their own thread and loop, so a serving
+    loop stalled by request load cannot keep a probe from the worker."""
+    _, url = worker
+    asked = threading.Event()
+    Worker.on_request = asked.set
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        probe = asyncio.create_task(prober.healthy())
+        await asyncio.sleep(0)  # the probe is handed to its thread...
+        assert asked.wait(timeout=30)  # ...and reaches the worker while this loop is blocked
+        assert await probe
+    finally:
+        Worker.on_request = None
         await prober.aclose()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from supervisor.engine.worker import (
     ProcessLauncher,
     build_command,
     build_env,
-    port_released,
     session_members,
 )
 from supervisor.serve import prepare_cache_dir
@@ -84,17 +82,26 @@ async def test_the_leftovers_of_a_dead_server_are_killed_without_waiting_the_gra
                    for pid in pids)
 
 
-def test_command_binds_loopback_and_uses_the_cpu_recipe() -> None:
-    engine = EngineSettings(device="cpu", model="/m/SmolLM2", port=8123)
+def test_command_listens_on_the_private_socket_and_uses_the_cpu_recipe(tmp_path: Path) -> None:
+    engine = EngineSettings(device="cpu", model="/m/SmolLM2", port=8123, socket_dir=tmp_path)
     argv = build_command(engine, [])
     assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--uds") + 1] == str(tmp_path / "worker.sock")
+    assert "--host" not in argv and "--port" not in argv  # no TCP listener at all
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert "--enforce-eager" in argv
     assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
     assert argv[argv.index("--allowed-media-domains") + 1] == "none.invalid"
     assert "--enable-scale-out" in argv  # the render route the Responses budget is counted with
     assert "--disable-uvicorn-access-log" in argv  # the appliance writes the access lines
+
+
+def test_command_binds_loopback_tcp_only_where_the_fallback_is_chosen() -> None:
+    argv = build_command(EngineSettings(device="cpu", model="/m/SmolLM2", port=8123,
+                                        listen="tcp"), [])
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--port") + 1] == "8123"
+    assert "--uds" not in argv
 
 
 def test_exit_descriptions_name_the_signal_and_a_likely_cause() -> None:
@@ -127,18 +134,3 @@ def test_an_unwritable_cache_root_is_a_warning_that_names_it(tmp_path: Path) -> 
     assert warning["event"] == "engine.cache_unwritable" and warning["log_level"] == "warning"
     assert warning["path"] == str(tmp_path / "a-file" / "vllm")
     assert info["event"] == "engine.cache_dir"
-
-
-async def test_a_start_waits_for_the_old_workers_port_to_be_released() -> None:
-    """A killed tree closes its listening socket as it finishes exiting; a worker started at
-    once must not bind before that, or it dies on 'Address already in use'."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    asyncio.get_running_loop().call_later(0.3, listener.close)
-    started = time.monotonic()
-    assert await port_released("127.0.0.1", port, timeout_s=10)
-    assert time.monotonic() - started >= 0.25
-    holder = socket.create_server(("127.0.0.1", 0))
-    with holder, structlog.testing.capture_logs() as logs:
-        assert not await port_released("127.0.0.1", holder.getsockname()[1], timeout_s=0.2)
-    assert [e["event"] for e in logs] == ["worker.port_busy"]

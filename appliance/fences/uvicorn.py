@@ -1,0 +1,245 @@
+"""The fence around uvicorn's internals: the one module that leans on what uvicorn does not promise.
+
+It offers the rest of the tree three things of its own:
+- `ApiServer`: uvicorn's Server without its signal handling, with a prompt `stop()`;
+- `Connection`: uvicorn's httptools protocol with hooks (`opened`, `after_read`, `head_begins`,
+  `header_seen`, `head_done`, `response_done`, `closed`) where the edge adds its limits;
+- `ClientLink`: one request's link to its client's connection, for the relay.
+
+What it relies on (tests/unit/fences/test_uvicorn.py checks each against the installed uvicorn):
+- `Server.capture_signals()` is the context manager `serve()` installs its signal handlers in,
+  and `Server.main_loop()` is the loop `serve()` waits in, calling `on_tick(counter)`, which
+  refreshes the Date header at counter 0 and returns True once `should_exit`;
+- `HttpToolsProtocol` has `connections` (the server's set of open ones), `transport`, `loop`,
+  `client`, `cycle`, `scope`, and the parser callbacks `on_message_begin`, `on_header`,
+  `on_headers_complete`, `on_response_complete`, `send_400_response`; raising from a callback
+  stops the parse (uvicorn answers 400 for it, which `send_400_response` here suppresses once
+  the connection was refused);
+- a `RequestResponseCycle` has `transport`, `flow.write_paused`, `disconnected`, `more_body`,
+  `response_complete` and `chunked_encoding`; a chunked body is written as `%x\\r\\n...\\r\\n`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+CLIENT_LINK = "chat-appliance.client_link"  # the scope extension that carries a ClientLink
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the supervisor decides when the API stops.
+
+    uvicorn's main loop wakes ten times a second to see whether it should exit; this one wakes
+    once a second (to date the answers, as uvicorn does each tenth turn) and at once on stop().
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._stopping = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def stop(self) -> None:
+        self.should_exit = True
+        self._stopping.set()
+
+    async def main_loop(self) -> None:
+        while not await self.on_tick(0):  # tick 0: the Date header is refreshed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._stopping.wait()
+
+
+class ClientLink:
+    """One request's link to its client's connection, for the relay: it writes a streamed
+    answer's body straight to the connection, and it says when the client is gone.
+
+    Writing: from the worker connection's own callback, no task switch and no ASGI send per
+    event. Only for a response uvicorn already started in chunked encoding (a relayed stream,
+    whose head went through ASGI as usual, so middleware saw its status) and only while the
+    client keeps up: `write` says False when the client's socket is paused or gone, and the
+    caller then sends the rest through ASGI, which waits for the client as uvicorn does. The
+    last message (the chunked terminator) always goes through ASGI, which completes the cycle.
+
+    Gone: `on_gone` calls back from the connection's own `connection_lost`, where ASGI would
+    need a task per request parked in `receive()` to hear it, and cancelling that task at the
+    end of every request leaves reference cycles for the collector (a cancelled future's
+    exception holds its frames).
+
+    The link holds uvicorn's cycle weakly: the cycle's scope holds the link."""
+
+    __slots__ = ("_cycle", "_gone")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle: Callable[[], Any] = weakref.ref(cycle)  # uvicorn's RequestResponseCycle
+        self._gone: Callable[[], None] | None = None
+
+    def write(self, body: bytes) -> bool:
+        cycle = self._cycle()
+        # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
+        # hears of it on a later turn of the loop, and a closed transport refuses writes.
+        if (cycle is None or cycle.disconnected or cycle.flow.write_paused
+                or cycle.response_complete or not cycle.chunked_encoding
+                or cycle.transport.is_closing()):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once if the client goes before its answer is complete (at once if
+        it already has); the returned function cancels that."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
+            callback()
+            return _nothing
+        self._gone = callback
+
+        def cancel() -> None:
+            self._gone = None
+
+        return cancel
+
+    def has_body(self) -> bool:
+        """The whole request body has arrived: reading it cannot wait on the client."""
+        cycle = self._cycle()
+        return cycle is not None and not cycle.more_body
+
+    def complete(self) -> bool:
+        cycle = self._cycle()
+        return cycle is None or cycle.response_complete
+
+    def lost(self) -> None:
+        """The connection is gone (called by the connection)."""
+        callback, self._gone = self._gone, None
+        if callback is not None and not self.complete():
+            callback()
+
+
+def client_link(scope: Any) -> ClientLink | None:
+    """The request's link to its client, where a Connection serves it (not under other servers)."""
+    link = (scope.get("extensions") or {}).get(CLIENT_LINK)
+    return link if isinstance(link, ClientLink) else None
+
+
+def _nothing() -> None:
+    pass
+
+
+class _StopParse(Exception):
+    """Raised from a parser callback once the connection was refused: stops the parse."""
+
+
+class Connection(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with hooks of our own for what the edge adds. A hook runs
+    only while the connection is open; `refused()` says the edge closed it itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._links: list[ClientLink] = []  # of requests whose answer is not complete
+
+    # --- hooks, for subclasses ---------------------------------------------------------------
+
+    def opened(self) -> None:
+        """A client connected (counted in `open_connections`)."""
+
+    def after_read(self, size: int) -> None:
+        """A read of `size` bytes was parsed (a head may have completed in it)."""
+
+    def head_begins(self) -> None:
+        """A request's first byte arrived."""
+
+    def header_seen(self) -> bool:
+        """One more header line of the head; False stops the parse (the hook refused it)."""
+        return True
+
+    def head_done(self) -> None:
+        """The request's head is complete; its body (if any) is the route's to read."""
+
+    def response_done(self) -> None:
+        """The answer is complete; uvicorn's keep-alive timer now runs for the connection."""
+
+    def closed(self) -> None:
+        """The connection is gone."""
+
+    # --- what the hooks may use ---------------------------------------------------------------
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.connections)
+
+    @property
+    def peer(self) -> tuple[str, int] | None:
+        return self.client
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop
+
+    def closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def write_and_close(self, data: bytes) -> None:
+        """Answer outside uvicorn's cycle (a refusal) and close the connection."""
+        self.transport.write(data)
+        self.transport.close()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # --- uvicorn's protocol, with the hooks in place --------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.opened()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.closed()
+        links, self._links = self._links, []
+        for link in links:
+            link.lost()
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        super().data_received(data)
+        if not self.transport.is_closing():
+            self.after_read(len(data))
+
+    def on_message_begin(self) -> None:
+        self.head_begins()
+        super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.header_seen():
+            raise _StopParse
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self.transport.is_closing():  # not after our own refusal stopped the parse
+            super().send_400_response(msg)
+
+    def on_headers_complete(self) -> None:
+        if self.transport.is_closing():
+            return
+        self.head_done()
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.scope is self.scope:
+            extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
+            link = ClientLink(self.cycle)
+            extensions[CLIENT_LINK] = link
+            self._links.append(link)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)
+        self.response_done()
+        self._links = [link for link in self._links if not link.complete()]

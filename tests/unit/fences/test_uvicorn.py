@@ -1,0 +1,135 @@
+"""The uvicorn fence's contract: what appliance/fences/uvicorn.py assumes of the installed uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from appliance.fences.uvicorn import ApiServer, ClientLink, Connection, client_link
+from tests.net import free_port
+from tests.unit.appliance.fakes import eventually
+from tests.unit.fences.contract import Fence
+
+UVICORN = Fence("appliance/fences/uvicorn.py", "uvicorn")
+
+pytestmark = pytest.mark.anyio
+
+
+def test_the_server_serves_inside_capture_signals_and_waits_in_main_loop() -> None:
+    """ApiServer replaces both: a uvicorn that signals or loops elsewhere would bypass it."""
+    UVICORN.body(uvicorn.Server.serve, "with self.capture_signals():\n"
+                                        "    await self._serve(sockets)")
+    serve_inner = inspect.getsource(UVICORN.attribute(uvicorn.Server, "_serve"))
+    UVICORN.require("await self.main_loop()" in serve_inner,
+                    "Server._serve awaits self.main_loop() between startup and shutdown")
+    UVICORN.body(uvicorn.Server.main_loop,
+                 "counter = 0\n"
+                 "should_exit = await self.on_tick(counter)\n"
+                 "while not should_exit:\n"
+                 "    counter += 1\n"
+                 "    counter = counter % 864000\n"
+                 "    await asyncio.sleep(0.1)\n"
+                 "    should_exit = await self.on_tick(counter)")
+    UVICORN.parameters(uvicorn.Server.on_tick, ["self", "counter"])
+    tick = inspect.getsource(uvicorn.Server.on_tick)
+    UVICORN.require("if counter % 10 == 0:" in tick and "default_headers" in tick,
+                    "on_tick(0) refreshes the Date header (server_state.default_headers)")
+
+
+def test_the_protocol_has_the_callbacks_connection_overrides() -> None:
+    for name, parameters in [("connection_made", ["self", "transport"]),
+                             ("connection_lost", ["self", "exc"]),
+                             ("data_received", ["self", "data"]),
+                             ("on_message_begin", ["self"]),
+                             ("on_header", ["self", "name", "value"]),
+                             ("on_headers_complete", ["self"]),
+                             ("on_response_complete", ["self"]),
+                             ("send_400_response", ["self", "msg"])]:
+        UVICORN.parameters(UVICORN.attribute(HttpToolsProtocol, name), parameters)
+    ours = {name for name, _ in inspect.getmembers(Connection)} - set(dir(HttpToolsProtocol))
+    hooks = {"opened", "after_read", "head_begins", "header_seen", "head_done",
+             "response_done", "closed", "open_connections", "peer", "event_loop", "closing",
+             "write_and_close", "close"}
+    UVICORN.require(hooks <= ours, "none of Connection's own names is one of HttpToolsProtocol's",
+                    sorted(hooks - ours))
+
+
+class Recording(Connection):
+    """Records the hooks in the order uvicorn's callbacks run them."""
+
+    seen: list[str] = []
+
+    def opened(self) -> None:
+        self.seen.append(f"opened {self.open_connections} {self.peer is not None}")
+
+    def head_begins(self) -> None:
+        self.seen.append("head_begins")
+
+    def header_seen(self) -> bool:
+        self.seen.append("header")
+        return True
+
+    def head_done(self) -> None:
+        self.seen.append("head_done")
+
+    def after_read(self, size: int) -> None:
+        self.seen.append(f"read {size}")
+
+    def response_done(self) -> None:
+        self.seen.append("response_done")
+
+    def closed(self) -> None:
+        self.seen.append("closed")
+
+
+async def test_a_real_request_runs_the_hooks_in_order_and_the_link_writes_chunks() -> None:
+    """uvicorn's protocol, cycle and chunked writer as the fence uses them, on a real socket."""
+    links: list[tuple[ClientLink | None, bool, bool]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        link = client_link(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        wrote = link.write(b"direct") if link is not None else False
+        links.append((link, link is not None and link.has_body(), wrote))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    Recording.seen = []
+    port = free_port()
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=Recording,
+                                      log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        writer.write(request)
+        answer = await reader.read()
+        writer.close()
+        await eventually(lambda: "closed" in Recording.seen)
+    finally:
+        server.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    UVICORN.require(links and links[0][0] is not None,
+                    "on_headers_complete sets self.cycle, whose scope is self.scope", links)
+    UVICORN.require(links[0][1], "a GET's cycle has more_body False once its head is in")
+    UVICORN.require(links[0][2] and b"6\r\ndirect\r\n" in answer,
+                    "a response begun without content-length is chunked "
+                    "(cycle.chunked_encoding) and its transport takes our chunk", answer)
+    expected = ["opened 1 True", "head_begins", "header", "header", "head_done",
+                f"read {len(request)}", "response_done", "closed"]
+    UVICORN.require(Recording.seen == expected, "the callbacks run in the order "
+                    + " > ".join(expected), Recording.seen)
+
+
+def test_uvicorn_has_an_upper_bound_the_installed_version_is_within() -> None:
+    UVICORN.bounded()

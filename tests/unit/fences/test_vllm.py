@@ -1,0 +1,171 @@
+"""The vLLM contract's test: what appliance/fences/vllm.py assumes, checked against the engine venv.
+
+vLLM lives in its own venv, not in this one, so the facts are read there: once, by the venv's own
+interpreter (its version, its server's flags, its environment variables, its request models'
+fields, the template's modules), and by reading its source (the metric names). The engine venv
+is a prerequisite, as it is for the integration tests: without it this fails and says how to
+get it, it never skips (CI always has it; a skipped contract would pass any vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from appliance.fences import vllm
+from appliance.policy import fields
+from appliance.settings import CHECKOUT_ROOT, default_engine_python
+from tests.unit.fences.contract import Fence
+
+# What the engine venv's interpreter reports about the vLLM installed there.
+FACTS = """
+import importlib, importlib.metadata, importlib.util, json, sys
+contract = json.loads(sys.argv[1])
+facts = {"versions": {}, "modules": {}, "fields": {}}
+for name in contract["distributions"]:
+    try:
+        facts["versions"][name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+for name in contract["modules"]:
+    try:
+        facts["modules"][name] = importlib.util.find_spec(name) is not None
+    except ImportError:
+        facts["modules"][name] = False
+from vllm.entrypoints.launchers.cli_args import create_parser_for_docs
+facts["flags"] = sorted(o for a in create_parser_for_docs()._actions for o in a.option_strings)
+import vllm.envs
+facts["env"] = sorted(vllm.envs.environment_variables)
+for ours, where in contract["requests"].items():
+    module, name = where.split(":")
+    model = getattr(importlib.import_module(module), name)
+    facts["fields"][ours] = sorted({n for n, f in model.model_fields.items()}
+                                   | {f.alias for f in model.model_fields.values() if f.alias})
+system_utils = importlib.import_module(contract["mp_module"])
+facts["mp_function"] = callable(getattr(system_utils, contract["mp_function"], None))
+platform = importlib.import_module(contract["platforms"]).current_platform
+facts["is_cpu"] = callable(getattr(platform, "is_cpu", None))
+print(json.dumps(facts))
+"""
+
+
+class VllmFence(Fence):
+    """The contract's fence: the dependency is read in the engine venv, not in this one."""
+
+    @property
+    def installed(self) -> str:
+        versions = engine_facts()["versions"]
+        return ", ".join(f"{name} {version}" for name, version in versions.items()) or "none"
+
+
+VLLM = VllmFence("appliance/fences/vllm.py", "vLLM (engine venv)",
+                 pinned_in="install.sh (VLLM_VERSION) and appliance/fences/vllm.py (VERSION)")
+
+
+def engine_python() -> Path:
+    python = default_engine_python()
+    if not python.exists():
+        pytest.fail(f"FENCE appliance/fences/vllm.py cannot be checked: no engine venv at "
+                    f"{python}. Run `bash install.sh` (it installs vLLM {vllm.VERSION}).",
+                    pytrace=False)
+    return python
+
+
+@cache
+def engine_facts() -> dict[str, Any]:
+    contract = {
+        "distributions": vllm.DISTRIBUTIONS, "requests": vllm.REQUEST_MODELS,
+        "modules": [vllm.SERVER_MODULE, *vllm.API_PRELOADS, *vllm.API_WARM,
+                    *vllm.CPU_ENGINE_WARM, vllm.MP_CONTEXT_MODULE, vllm.PLATFORMS_MODULE],
+        "mp_module": vllm.MP_CONTEXT_MODULE, "mp_function": vllm.MP_CONTEXT_FUNCTION,
+        "platforms": vllm.PLATFORMS_MODULE,
+    }
+    result = subprocess.run([str(engine_python()), "-c", FACTS, json.dumps(contract)],
+                            capture_output=True, text=True, timeout=600,
+                            env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    if result.returncode != 0:
+        pytest.fail(f"FENCE appliance/fences/vllm.py: the engine venv could not report its "
+                    f"vLLM:\n{result.stderr[-3000:]}", pytrace=False)
+    return dict(json.loads(result.stdout.splitlines()[-1]))
+
+
+def test_the_engine_venv_holds_the_pinned_version_and_install_sh_pins_the_same() -> None:
+    versions = engine_facts()["versions"]
+    VLLM.require(list(versions.values()) == [vllm.VERSION],
+                 f"one of {vllm.DISTRIBUTIONS} is installed, at {vllm.VERSION}", versions)
+    pinned = re.search(r"^readonly VLLM_VERSION=(\S+)$", (CHECKOUT_ROOT / "install.sh").read_text(),
+                       re.MULTILINE)
+    VLLM.require(pinned is not None and pinned.group(1) == vllm.VERSION,
+                 f"install.sh installs vLLM {vllm.VERSION}", pinned and pinned.group(1))
+
+
+def test_the_server_takes_every_flag_we_pass() -> None:
+    known = set(engine_facts()["flags"])
+    VLLM.require(set(vllm.FLAGS) <= known, "vLLM's server takes each flag of Flag",
+                 sorted(set(vllm.FLAGS) - known))
+
+
+def test_vllm_reads_every_environment_variable_we_set() -> None:
+    known = set(engine_facts()["env"])
+    VLLM.require(set(vllm.ENV_VARS) <= known, "vllm/envs.py reads each variable of Env",
+                 sorted(set(vllm.ENV_VARS) - known))
+
+
+def test_the_template_finds_its_modules_and_the_function_it_patches() -> None:
+    facts = engine_facts()
+    required = [vllm.SERVER_MODULE, *vllm.API_PRELOADS, vllm.MP_CONTEXT_MODULE,
+                vllm.PLATFORMS_MODULE]
+    missing = [name for name in required if not facts["modules"][name]]
+    VLLM.require(not missing, "the server module and the template's required preloads exist",
+                 missing)
+    # The warm lists are best effort by design, but a name that went is time lost at each fork.
+    gone = [name for name in (*vllm.API_WARM, *vllm.CPU_ENGINE_WARM) if not facts["modules"][name]]
+    VLLM.require(not gone, "every module the template warms exists", gone)
+    VLLM.require(facts["mp_function"],
+                 f"{vllm.MP_CONTEXT_MODULE}.{vllm.MP_CONTEXT_FUNCTION} is a function")
+    VLLM.require(facts["is_cpu"], f"{vllm.PLATFORMS_MODULE}.current_platform.is_cpu() exists")
+
+
+def test_every_field_the_gate_vets_is_one_vllm_reads() -> None:
+    """A field of ours that vLLM no longer reads is vetted for nothing and passed to be ignored."""
+    for ours, where in vllm.REQUEST_MODELS.items():
+        declared = {field.encode_name for field in msgspec.structs.fields(getattr(fields, ours))}
+        theirs = set(engine_facts()["fields"][ours])
+        VLLM.require(declared - vllm.VETTED_THOUGH_UNREAD <= theirs,
+                     f"{where} has each field of policy/fields.py's {ours}",
+                     sorted(declared - vllm.VETTED_THOUGH_UNREAD - theirs))
+        VLLM.require(not vllm.VETTED_THOUGH_UNREAD & theirs,
+                     f"{where} still reads none of VETTED_THOUGH_UNREAD (if it does, drop it "
+                     "from that list)", sorted(vllm.VETTED_THOUGH_UNREAD & theirs))
+
+
+def engine_sources(pattern: str) -> str:
+    """The engine venv's source files under site-packages that match `pattern`, as one text."""
+    lib = engine_python().parent.parent / "lib"
+    return "\n".join(path.read_text(errors="replace")
+                     for path in lib.glob(f"python3*/site-packages/{pattern}"))
+
+
+def test_the_metrics_we_read_are_ones_vllm_exports() -> None:
+    """Read from the source: the metrics are registered when an engine runs, not on import."""
+    sources = engine_sources("vllm/v1/metrics/*.py")
+    for name in vllm.METRICS:
+        base = re.sub(r"_(total|count|sum|bucket)$", "", name)
+        VLLM.require(f'"{name}"' in sources or f'"{base}"' in sources,
+                     f"vllm/v1/metrics registers {name}")
+
+
+def test_each_boot_phase_opens_on_a_line_the_worker_still_logs() -> None:
+    """A reworded line costs a phase of the boot display, never the boot: said here, not there."""
+    sources = engine_sources("vllm/**/*.py") + engine_sources("uvicorn/**/*.py")
+    for phase, lines in vllm.BOOT_LINES:
+        VLLM.require(re.search(lines, sources) is not None,
+                     f"vLLM or uvicorn logs a line that opens the boot phase {phase!r}", lines)
