@@ -260,6 +260,23 @@ class StatusSettings(_Group):
     refresh_s: float = Field(2.0, ge=0.5)
 
 
+class CrashSettings(_Group):
+    """Forensics: one bundle per engine death under `dir`, the oldest dropped past `keep`."""
+
+    dir: Path | None = None  # None: $XDG_STATE_HOME (else ~/.local/state)/chat-appliance/crashes
+    keep: int = Field(20, ge=1, le=1000)
+    max_bytes: int = Field(1_048_576, ge=16_384)  # one bundle, log lines and stacks trimmed to fit
+    log_lines: int = Field(200, ge=0, le=1000)
+    bodies: bool = False  # the bodies of the requests in flight (prompts: private data)
+    stack_timeout_s: float = Field(5.0, gt=0)  # py-spy, per engine process, all at once
+
+    def resolved_dir(self) -> Path:
+        if self.dir is not None:
+            return self.dir.expanduser()
+        root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(root) / "chat-appliance" / "crashes"
+
+
 class LoggingSettings(_Group):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -281,6 +298,7 @@ class Settings(BaseSettings):
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     gpu: GpuSettings = Field(default_factory=GpuSettings)
     status: StatusSettings = Field(default_factory=StatusSettings)
+    crashes: CrashSettings = Field(default_factory=CrashSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""`chat-appliance` command line: serve, check-config, status, reload."""
+"""`chat-appliance` command line: serve, check-config, status, reload, crashes."""
 
 from __future__ import annotations
 
@@ -42,9 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     reload = commands.add_parser("reload", help="reload the clients and keys of a running "
                                  "appliance from its configuration (key rotation)")
     reload.add_argument("--url", help="base URL (default: http://127.0.0.1:<server.port>)")
+    crashes = commands.add_parser("crashes", help="list the engine's crash bundles, or show one")
+    crashes.add_argument("show", nargs="?", metavar="NAME",
+                         help="show this bundle (\"last\": the newest)")
+    crashes.add_argument("--json", action="store_true", help="print the bundle's raw JSON")
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status,
-               "reload": _reload}[args.command]
+               "reload": _reload, "crashes": _crashes}[args.command]
     return handler(args)
 
 
@@ -79,6 +83,12 @@ def _check_config(_: argparse.Namespace) -> int:
     settings = _settings_or_exit()
     print(json.dumps(masked_dump(settings), indent=2))
     return 0
+
+
+def _crashes(args: argparse.Namespace) -> int:
+    from supervisor.forensics.command import crashes
+
+    return crashes(_settings_or_exit().crashes, args.show, args.json, sys.stdout)
 
 
 def _positive_seconds(text: str) -> float:
