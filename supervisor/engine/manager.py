@@ -85,7 +85,7 @@ class EngineManager:
         self._prober = prober
         self._monitors = monitors
         self._gpu = gpu
-        self.waiting = waiting or Waiting()  # the API's requests on the worker (EngineView)
+        self.waiting = Waiting() if waiting is None else waiting  # the API's requests (EngineView)
         self._forensics = forensics
         self._clock = clock
         self._sleep = sleep

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from appliance.engine import EngineState
+from appliance.engine import EngineState, Waiting
 from appliance.settings import Settings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.manager import EngineManager, Forensics
@@ -486,3 +486,12 @@ async def test_a_hang_is_recorded_with_its_requests_its_live_processes_and_its_r
     assert manager.snapshot()["last_crash"] == "bundle-100"
     manager.request_stop()
     await task
+
+
+def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() -> None:
+    """An empty Waiting is falsy (it has a length): the one given is kept all the same."""
+    waiting = Waiting()
+    settings = Settings()
+    manager = EngineManager(settings, FakeLauncher(), FakeProber(FakeLauncher()), [],
+                            waiting=waiting)  # type: ignore[arg-type]
+    assert manager.waiting is waiting
