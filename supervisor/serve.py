@@ -31,7 +31,7 @@ from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor
-from supervisor.monitors.stillness import Stillness
+from supervisor.monitors.stillness import Stillness, server_activity
 from supervisor.sdnotify import Notifier
 
 log = structlog.get_logger("supervisor.serve")
@@ -116,7 +116,7 @@ async def serve(settings: Settings) -> int:
     # while some wait on it, they are work even if the worker's own gauges froze.
     waiting = Waiting()
     progress = ProgressMonitor(prober, sup, demand=lambda: (len(waiting), waiting.sent),
-                               stillness=Stillness(sup, "/metrics"))
+                               stillness=Stillness(sup, "/metrics"), server=server_activity)
     monitors: list[Monitor] = [
         HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
                       stillness=Stillness(sup, "/health")),

@@ -21,7 +21,9 @@ was sent since the counters last moved: vLLM's gauges come from EngineCore's sta
 EngineCore that stopped while idle keeps saying "idle" to a request it never picked up (seen:
 47 s to a verdict through the idle canary). A request the engine had already worked on when its
 counters last moved is not one (a stream its slow client has not read yet owes the engine
-nothing). And with requests waiting, a /metrics read that gets no answer is not "unknown": a
+nothing). While only the appliance knows of the work, the API server's CPU time counts too:
+it may still be preparing the request (tokenizing, decoding images) before EngineCore sees it.
+And with requests waiting, a /metrics read that gets no answer is not "unknown": a
 server that neither answers nor runs for `hang_stall_s` is stopped (supervisor.monitors.stillness).
 """
 
@@ -138,11 +140,13 @@ class ProgressMonitor:
                  demand: Demand | None = None,
                  activity: Callable[[Worker, bool], Activity | None] | None = None,
                  stillness: Stillness | None = None,
+                 server: Callable[[Worker, bool], Activity | None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._prober = prober
         self._sup = settings
         self._demand = demand
         self._stillness = stillness
+        self._server = server  # the API server's own activity (supervisor.monitors.stillness)
         self._clock = clock
         self._activity = activity or EngineActivity(clock)
         self.stats: EngineStats | None = None  # the last reading, for /metrics
@@ -159,6 +163,7 @@ class ProgressMonitor:
         self._samples: deque[tuple[float, Activity]] = deque()
         self._admitted_at_reading: int | None = None  # the demand's count when last read idle
         self._sent_at_progress: int | None = None  # the demand's count when the counters moved
+        self._server_marks: deque[tuple[float, float]] = deque()  # (when, server CPU seconds)
         if self._stillness is not None:
             self._stillness.reset()
 
@@ -179,6 +184,8 @@ class ProgressMonitor:
             self._stillness.answered()
         self.stats = stats
         busy = stats.busy or self._owed(demand)
+        if stats.busy or not busy:
+            self._server_marks.clear()
         self._admitted_at_reading = demand[1] if demand is not None and not busy else None
         if not busy:
             self._counters = stats.progress
@@ -195,6 +202,8 @@ class ProgressMonitor:
             self._sample(now, self._activity(worker, False))
             return None
         self._sample(now, self._activity(worker, True))
+        if not stats.busy and self._server_working(now, worker):
+            return None
         return self._verdict(now)
 
     async def _idle(self, now: float, worker: Worker) -> ExitCause | None:
@@ -205,6 +214,24 @@ class ProgressMonitor:
     def _owed(self, demand: tuple[int, int] | None) -> bool:
         """Requests wait on the worker and one was sent since the engine last made progress."""
         return demand is not None and demand[0] > 0 and demand[1] != self._sent_at_progress
+
+    def _server_working(self, now: float, worker: Worker) -> bool:
+        """Only the appliance knows of the work: the API server may still be preparing it
+        (tokenizing, decoding images) before EngineCore sees any of it. True while its CPU
+        time over the last `hang_stall_s` says so, or that window is not covered yet."""
+        if self._server is None:
+            return False
+        reading = self._server(worker, False)
+        if reading is None:
+            return True  # gone: its exit is the manager's to see
+        marks, sup = self._server_marks, self._sup
+        marks.append((now, reading.cpu_s))
+        while len(marks) > 1 and marks[1][0] <= now - sup.hang_stall_s:
+            marks.popleft()
+        since, base = marks[0]
+        if now - since < sup.hang_stall_s:
+            return True
+        return reading.cpu_s - base >= sup.hang_cpu_floor * (now - since)
 
     def _unanswered(self, now: float, worker: Worker,
                     demand: tuple[int, int] | None) -> ExitCause | None:

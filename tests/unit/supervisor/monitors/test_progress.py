@@ -251,13 +251,31 @@ async def test_an_engine_frozen_while_idle_is_hung_soon_after_a_request_waits_on
     the request the appliance sent it is work; no step and no CPU since: hung in seconds, not
     through the idle canary (47 s)."""
     engine, clock, demand = Engine(), Clock(), [0, 0]
-    mon = monitor(engine, clock, demand=demand)
+    server = Server(clock)  # idle: it passed the request on and waits for EngineCore
+    mon = ProgressMonitor(engine, SETTINGS, clock=clock, demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          server=lambda _, threads: server.activity())
     _, cause = await run_for(20, mon, engine, clock)  # idle, and frozen from here on
     assert cause is None
     demand[:] = [1, 1]  # a request arrives and waits for its head
     after, cause = await run_for(60, mon, engine, clock)
     assert cause is not None and cause.reason is ExitReason.HUNG and "not running" in cause.detail
     assert after <= 7 and engine.canaries == 0
+
+
+async def test_a_request_the_api_server_still_prepares_is_not_a_hung_engine() -> None:
+    """A request only the appliance knows of, EngineCore idle: the server may still be
+    tokenizing it or decoding its images, and uses CPU meanwhile."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    server = Server(clock, cpu_per_question=0.5)  # half a core, one read a second
+    mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
+                          demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          server=lambda _, threads: server.activity())
+    await run_for(5, mon, engine, clock)
+    demand[:] = [1, 1]
+    _, cause = await run_for(60, mon, engine, clock)
+    assert cause is None
 
 
 async def test_a_request_the_engine_already_answered_is_not_owed_work() -> None:
