@@ -228,7 +228,8 @@ def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
 
 def bench_hangs() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
-            running_appliance(Path(tmp), engine__max_model_len="9000",
+            running_appliance(Path(tmp), engine__max_model_len="8192",  # the model's own
+                              crashes__dir=str(Path(tmp) / "crashes"),
                               supervisor__crash_loop_restarts=str(CRASH_LOOP_OFF)) as appliance:
         pid = int(str(appliance.wait_ready(timeout_s=900)["pid"]))
         for target in ("core", "server"):
