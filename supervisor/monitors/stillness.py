@@ -80,7 +80,7 @@ class Stillness:
         sup = self._sup
         if silent_s < sup.hang_stall_s or after.runnable or used >= sup.hang_cpu_floor * silent_s:
             return None
-        owed = f" with {waiting} requests waiting on it" if waiting else ""
+        owed = f" with requests waiting on it ({waiting})" if waiting else ""
         return ExitCause("running", ExitReason.HUNG,
                          f"the worker's API server did not answer {self._what} for "
                          f"{silent_s:.1f}s{owed} and used {used:.2f}s of CPU meanwhile: "

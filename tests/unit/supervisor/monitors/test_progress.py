@@ -321,7 +321,7 @@ async def test_a_metrics_read_unanswered_with_requests_waiting_and_a_still_serve
         clock.now += 1
         cause = await mon.check(object())  # type: ignore[arg-type]
     assert cause is not None and cause.reason is ExitReason.HUNG
-    assert "did not answer /metrics" in cause.detail and "2 requests waiting" in cause.detail
+    assert "did not answer /metrics" in cause.detail and "requests waiting on it (2)" in cause.detail
     assert clock.now - start <= 7
 
 
