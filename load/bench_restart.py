@@ -173,13 +173,16 @@ def post_chat(url: str, words: int, stream: bool, started: threading.Event) -> N
 def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple[int, dict[str, Any]]:
     """One freeze of `target` while `during` (idle, head, stream): seconds to the verdict and
     to a new worker's 200, timed from the freeze or, for a core frozen while idle, from the
-    request that arrives 3 s after it."""
+    request that arrives 3 s after it (a request follows a frozen idle server too)."""
     started = threading.Event()
     words, stream = (1500, False) if during == "head" else (8, True)
     request = threading.Thread(target=post_chat, args=(appliance.url, words, stream, started))
     if during == "idle":
         freeze(pid, target)
-        time.sleep(3)  # nothing tells while nothing waits on a frozen core
+        began = time.monotonic()
+        if target == "core":
+            time.sleep(3)  # nothing tells while nothing waits on a frozen core: timed from
+            began = time.monotonic()  # the request that then arrives
     request.start()
     if during == "stream" and not started.wait(120):
         raise RuntimeError("the stream never started")
@@ -187,7 +190,7 @@ def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple
         time.sleep(1)  # sent, in prefill: no byte of the answer yet
     if during != "idle":
         freeze(pid, target)
-    began = time.monotonic()
+        began = time.monotonic()
     while appliance.health().status_code == 200:
         time.sleep(0.05)
     declared_s = time.monotonic() - began
