@@ -1,7 +1,7 @@
 """What a restart costs with and without the worker template, on the real CPU worker, in one run.
 
     python -m load.bench_restart [--runs 3] [--template both|auto|off]
-    python -m load.bench_restart --hangs
+    python -m load.bench_restart --hangs [--prefill-only]
 
 
 Per mode: cold `serve` -> /health 200, then `--runs` times kill -9 of the worker's server pid ->
@@ -207,13 +207,16 @@ def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
     and the worker's own /metrics each second while it ran (what a watch can see of it)."""
     engine = f"http://127.0.0.1:{appliance.engine_port}"
     model = httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"]
-    prompt = httpx.post(f"{engine}/detokenize", timeout=60, json={
-        "model": model, "tokens": list(range(1000, 1000 + tokens))}).json()["prompt"]
-    answers: list[int] = []
+    ids = httpx.post(f"{engine}/tokenize", timeout=60, json={
+        "model": model, "prompt": "hello world " * tokens,
+        "add_special_tokens": False}).json()["tokens"][:tokens]
+    prompt = httpx.post(f"{engine}/detokenize", timeout=60,
+                        json={"model": model, "tokens": ids}).json()["prompt"]
+    answers: list[httpx.Response] = []
     began = time.monotonic()
     sender = threading.Thread(target=lambda: answers.append(httpx.post(
         f"{appliance.url}/v1/completions", timeout=600,
-        json={"prompt": prompt, "max_tokens": 1, "temperature": 0}).status_code))
+        json={"prompt": prompt, "max_tokens": 1, "temperature": 0})))
     sender.start()
     seen = []
     while sender.is_alive():
@@ -223,19 +226,22 @@ def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
                          stats.prompt_tokens, stats.iterations, tree_cpu_s(pid)))
         time.sleep(1)
     health = appliance.health().json()
-    return {"prefill_tokens": tokens, "status": answers[0] if answers else None,
+    answer = answers[0] if answers else None
+    return {"prefill_tokens": tokens, "status": answer.status_code if answer else None,
+            "error": answer.text[:200] if answer is not None and answer.status_code != 200
+            else None,
             "answered_s": round(time.monotonic() - began, 1),
             "same_worker": health["pid"] == pid and health["state"] == "ready",
             "metrics_during (s, running, waiting, prompt_tokens, iterations, tree_cpu_s)": seen}
 
 
-def bench_hangs() -> None:
+def bench_hangs(prefill_only: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             running_appliance(Path(tmp), engine__max_model_len="8192",  # the model's own
                               crashes__dir=str(Path(tmp) / "crashes"),
                               supervisor__crash_loop_restarts=str(CRASH_LOOP_OFF)) as appliance:
         pid = int(str(appliance.wait_ready(timeout_s=900)["pid"]))
-        for target in ("core", "server"):
+        for target in () if prefill_only else ("core", "server"):
             for during in ("idle", "head", "stream"):
                 pid, result = hang_case(appliance, pid, target, during)
                 emit(**result)
@@ -270,9 +276,10 @@ def main() -> None:
     parser.add_argument("--template", choices=["both", "auto", "off"], default="both")
     parser.add_argument("--hangs", action="store_true",
                         help="hang → verdict → ready per freeze, then an 8k-token prefill")
+    parser.add_argument("--prefill-only", action="store_true", help="with --hangs: the prefill")
     args = parser.parse_args()
     if args.hangs:
-        bench_hangs()
+        bench_hangs(args.prefill_only)
         return
     for mode in (["auto", "off"] if args.template == "both" else [args.template]):
         bench(mode, args.runs)
