@@ -496,6 +496,21 @@ relocate_venv() {
     done
 }
 
+# py-spy dumps a hung engine's stacks into its crash bundle (supervisor/forensics/stacks.py).
+# A 3 MB static binary, outside the engine recipe (an existing venv gains it without a rebuild);
+# without it the bundle still lists each thread's state from /proc, so a failure only warns.
+readonly PY_SPY_PACKAGE=py-spy==0.4.3
+ensure_py_spy() {
+    if [[ -x "$ENGINE_VENV/bin/py-spy" ]]; then
+        step "py-spy (engine venv): already installed"
+        return 0
+    fi
+    step "py-spy (engine venv): installing $PY_SPY_PACKAGE"
+    open_log
+    "$ENGINE_VENV/bin/python" -m pip install --no-compile "$PY_SPY_PACKAGE" >>"$LOG" 2>&1 ||
+        note "py-spy did not install (see $LOG): crash bundles of hangs will hold no Python stacks"
+}
+
 ensure_default_model() {
     local model="$MODELS_DIR/$MODEL_NAME" label
     local converter=("$ENGINE_VENV/bin/python" "$ROOT/scripts/convert_default_model.py")
@@ -733,6 +748,7 @@ main() {
     [[ "$MODE" != system ]] || ensure_system_config
     run_doctor "before the engine venv" --before-install
     ensure_engine_venv
+    ensure_py_spy
     ensure_default_model
     if [[ "$MODE" == system ]]; then
         ensure_tls_certificate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -16,6 +17,64 @@ class EngineState(enum.StrEnum):
     BACKOFF = "backoff"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+class Pending(Protocol):
+    """What the supervisor may learn of one request waiting on the worker (an
+    appliance.outbound.Outbound)."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def client_name(self) -> str: ...
+
+    def body(self) -> bytes | None: ...
+
+
+class Waiting:
+    """The appliance's own requests waiting on the worker: sent (or being fitted with the
+    worker's /tokenize) and not yet answered in full. Work the engine owes, known here even when
+    the worker's own gauges froze with it. The relay adds and discards each request (one dict
+    insert and delete); the supervisor reads the count each second and describes the requests
+    only when an engine dies."""
+
+    def __init__(self) -> None:
+        self._requests: dict[object, tuple[str, Pending]] = {}
+        self.sent = 0  # requests added so far: a new one is work the engine has not seen
+
+    def add(self, key: object, request_id: str, pending: Pending) -> None:
+        self._requests[key] = (request_id, pending)
+        self.sent += 1
+
+    def discard(self, key: object) -> None:
+        self._requests.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def describe(self, bodies: bool = False) -> list[dict[str, Any]]:
+        """Each request's id, fingerprint, route, client and size; its body only if asked."""
+        found = []
+        for request_id, pending in list(self._requests.values()):
+            client, raw = pending.client_name, pending.body() or b""
+            entry: dict[str, Any] = {
+                "request_id": request_id, "route": pending.target, "client": client,
+                "fingerprint": fingerprint(pending.target, client, raw),
+                "body_bytes": len(raw), "stream": pending.stream}
+            if bodies:
+                entry["body"] = raw.decode("utf-8", "replace")
+            found.append(entry)
+        return found
+
+
+def fingerprint(route: str, client: str, body: bytes) -> str:
+    """Names one request by route, client and body, without keeping the body."""
+    digest = hashlib.sha256(route.encode() + b"\0" + client.encode() + b"\0" + body)
+    return digest.hexdigest()[:16]
 
 
 class EngineView(Protocol):
@@ -32,6 +91,11 @@ class EngineView(Protocol):
 
     @property
     def model_name(self) -> str: ...
+
+    @property
+    def waiting(self) -> Waiting:
+        """Where the relay counts its requests waiting on the worker."""
+        ...
 
     def retry_after_s(self) -> int:
         """How long a client should wait before trying again while the engine is not ready."""

@@ -44,6 +44,9 @@ class Outbound(Protocol):
     def stream(self) -> bool: ...
 
     @property
+    def client_name(self) -> str: ...  # whose work it is, for the supervisor's forensics
+
+    @property
     def headers(self) -> dict[str, str]: ...  # for the client's answer
 
     @property
@@ -78,6 +81,7 @@ class PassThrough:
     headers: dict[str, str] = field(default_factory=dict)
     priority: None = None
     usage_added: bool = False
+    client_name: str = ""  # a pass-through is nobody's work: no slot, not metered
 
     @property
     def shape(self) -> ErrorShape:

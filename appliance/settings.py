@@ -322,6 +322,23 @@ class DoctorSettings(_Group):
     min_free_disk_mib: int = Field(2048, ge=0)  # under the cache directory: compiled kernels
 
 
+class CrashSettings(_Group):
+    """Forensics: one bundle per engine death under `dir`, the oldest dropped past `keep`."""
+
+    dir: Path | None = None  # None: $XDG_STATE_HOME (else ~/.local/state)/chat-appliance/crashes
+    keep: int = Field(20, ge=1, le=1000)
+    max_bytes: int = Field(1_048_576, ge=16_384)  # one bundle, log lines and stacks trimmed to fit
+    log_lines: int = Field(200, ge=0, le=1000)
+    bodies: bool = False  # the bodies of the requests in flight (prompts: private data)
+    stack_timeout_s: float = Field(5.0, gt=0)  # py-spy, per engine process, all at once
+
+    def resolved_dir(self) -> Path:
+        if self.dir is not None:
+            return self.dir.expanduser()
+        root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(root) / "chat-appliance" / "crashes"
+
+
 class LoggingSettings(_Group):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -344,6 +361,7 @@ class Settings(BaseSettings):
     gpu: GpuSettings = Field(default_factory=GpuSettings)
     status: StatusSettings = Field(default_factory=StatusSettings)
     doctor: DoctorSettings = Field(default_factory=DoctorSettings)
+    crashes: CrashSettings = Field(default_factory=CrashSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

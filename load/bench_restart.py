@@ -1,6 +1,8 @@
 """What a restart costs with and without the worker template, on the real CPU worker, in one run.
 
     python -m load.bench_restart [--runs 3] [--template both|auto|off]
+    python -m load.bench_restart --hangs [--prefill-only]
+
 
 Per mode: cold `serve` -> /health 200, then `--runs` times kill -9 of the worker's server pid ->
 /health 200 from a new worker, then `--runs` times SIGSTOP of EngineCore while a stream runs ->
@@ -11,11 +13,19 @@ log, in seconds after the kill: stopped (the old tree reaped), started (forked o
 core (EngineCore starts), engine (EngineCore ready), listening (vLLM's server up), ready. Then
 the idle template's memory. One JSON object per line; the load average is in each, as every
 phase slows with it.
+
+--hangs: one appliance (template auto, default watch settings), and per case one freeze and
+the seconds from it to the hang's declaration (/health leaves 200) and to a new worker's 200:
+EngineCore or the worker's API server (the pid /health names) SIGSTOPped while idle (for a
+frozen core, timed from the request that then arrives: nothing tells before), while a request
+waits for its head (a ~1500-token prompt in prefill), and mid-stream. Then an ~8k-token prompt
+that must not be declared a hang, with what the worker's /metrics showed during its prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +39,7 @@ from typing import Any
 import httpx
 import psutil
 
+from supervisor.engine.stats import parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance, worker_tree
 
 # 2 x runs faults within minutes are a crash loop to the default guard (5 in 10 minutes, then
@@ -142,6 +153,101 @@ def sigstop_under_a_stream(appliance: Appliance, pid: int) -> tuple[int, dict[st
                  "phases": phases(appliance, stopped_at)}
 
 
+def freeze(pid: int, target: str) -> int:
+    """SIGSTOP of EngineCore ("core") or of the worker's API server ("server"); its pid."""
+    victim = engine_core(pid).pid if target == "core" else pid
+    os.kill(victim, signal.SIGSTOP)
+    return victim
+
+
+def post_chat(url: str, words: int, stream: bool, started: threading.Event) -> None:
+    """A chat request of about `words` prompt tokens, read to its end (or its error)."""
+    body = {"messages": [{"role": "user", "content": "hello " * words}], "max_tokens": 400,
+            "stream": stream, "ignore_eos": True}
+    with contextlib.suppress(httpx.HTTPError), \
+            httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as answer:
+        for _ in answer.iter_lines():
+            started.set()
+
+
+def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple[int, dict[str, Any]]:
+    """One freeze of `target` while `during` (idle, head, stream): seconds to the verdict and
+    to a new worker's 200, timed from the freeze or, for a core frozen while idle, from the
+    request that arrives 3 s after it (a request follows a frozen idle server too)."""
+    started = threading.Event()
+    words, stream = (1500, False) if during == "head" else (8, True)
+    request = threading.Thread(target=post_chat, args=(appliance.url, words, stream, started))
+    if during == "idle":
+        freeze(pid, target)
+        began = time.monotonic()
+        if target == "core":
+            time.sleep(3)  # nothing tells while nothing waits on a frozen core: timed from
+            began = time.monotonic()  # the request that then arrives
+    request.start()
+    if during == "stream" and not started.wait(120):
+        raise RuntimeError("the stream never started")
+    if during == "head":
+        time.sleep(1)  # sent, in prefill: no byte of the answer yet
+    if during != "idle":
+        freeze(pid, target)
+        began = time.monotonic()
+    while appliance.health().status_code == 200:
+        time.sleep(0.05)
+    declared_s = time.monotonic() - began
+    new = ready_again(appliance, pid)
+    request.join(60)
+    cause = appliance.health().json().get("last_exit") or {}
+    return new, {"frozen": target, "during": during, "declared_s": round(declared_s, 1),
+                 "ready_s": round(time.monotonic() - began, 1), "reason": cause.get("reason"),
+                 "detail": str(cause.get("detail"))[:90]}
+
+
+def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
+    """A prompt of `tokens` tokens: how long before its answer, whether the worker stayed,
+    and the worker's own /metrics each second while it ran (what a watch can see of it)."""
+    engine = f"http://127.0.0.1:{appliance.engine_port}"
+    model = httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"]
+    ids = httpx.post(f"{engine}/tokenize", timeout=60, json={
+        "model": model, "prompt": "hello world " * tokens,
+        "add_special_tokens": False}).json()["tokens"][:tokens]
+    prompt = httpx.post(f"{engine}/detokenize", timeout=60,
+                        json={"model": model, "tokens": ids}).json()["prompt"]
+    answers: list[httpx.Response] = []
+    began = time.monotonic()
+    sender = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{appliance.url}/v1/completions", timeout=600,
+        json={"prompt": prompt, "max_tokens": 1, "temperature": 0})))
+    sender.start()
+    seen = []
+    while sender.is_alive():
+        with contextlib.suppress(httpx.HTTPError):
+            stats = parse_engine_stats(httpx.get(f"{engine}/metrics", timeout=5).text)
+            seen.append((round(time.monotonic() - began), stats.running, stats.waiting,
+                         stats.prompt_tokens, stats.iterations, tree_cpu_s(pid)))
+        time.sleep(1)
+    health = appliance.health().json()
+    answer = answers[0] if answers else None
+    return {"prefill_tokens": tokens, "status": answer.status_code if answer else None,
+            "error": answer.text[:200] if answer is not None and answer.status_code != 200
+            else None,
+            "answered_s": round(time.monotonic() - began, 1),
+            "same_worker": health["pid"] == pid and health["state"] == "ready",
+            "metrics_during (s, running, waiting, prompt_tokens, iterations, tree_cpu_s)": seen}
+
+
+def bench_hangs(prefill_only: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp, \
+            running_appliance(Path(tmp), engine__max_model_len="8192",  # the model's own
+                              crashes__dir=str(Path(tmp) / "crashes"),
+                              supervisor__crash_loop_restarts=str(CRASH_LOOP_OFF)) as appliance:
+        pid = int(str(appliance.wait_ready(timeout_s=900)["pid"]))
+        for target in () if prefill_only else ("core", "server"):
+            for during in ("idle", "head", "stream"):
+                pid, result = hang_case(appliance, pid, target, during)
+                emit(**result)
+        emit(**long_prefill(appliance, pid, 8000))
+
+
 def bench(mode: str, runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             running_appliance(Path(tmp), engine__template=mode,
@@ -168,7 +274,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--template", choices=["both", "auto", "off"], default="both")
+    parser.add_argument("--hangs", action="store_true",
+                        help="hang → verdict → ready per freeze, then an 8k-token prefill")
+    parser.add_argument("--prefill-only", action="store_true", help="with --hangs: the prefill")
     args = parser.parse_args()
+    if args.hangs:
+        bench_hangs(args.prefill_only)
+        return
     for mode in (["auto", "off"] if args.template == "both" else [args.template]):
         bench(mode, args.runs)
 

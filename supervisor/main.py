@@ -1,4 +1,4 @@
-"""`chat-appliance` command line: serve, check-config, status, reload, doctor."""
+"""`chat-appliance` command line: serve, check-config, status, reload, doctor, crashes."""
 
 from __future__ import annotations
 
@@ -53,9 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "when run as root and it exists, else the caller)")
     doctor.add_argument("--before-install", action="store_true",
                         help="for install.sh: what it has not built yet is not reported missing")
+    crashes = commands.add_parser("crashes", help="list the engine's crash bundles, or show one")
+    crashes.add_argument("show", nargs="?", metavar="NAME",
+                         help="show this bundle (\"last\": the newest)")
+    crashes.add_argument("--json", action="store_true", help="print the bundle's raw JSON")
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status,
-               "reload": _reload, "doctor": _doctor}[args.command]
+               "reload": _reload, "doctor": _doctor,
+               "crashes": _crashes}[args.command]
     return handler(args)
 
 
@@ -107,6 +112,12 @@ def _check_config(_: argparse.Namespace) -> int:
     settings = _settings_or_exit()
     print(json.dumps(masked_dump(settings), indent=2))
     return 0
+
+
+def _crashes(args: argparse.Namespace) -> int:
+    from supervisor.forensics.command import crashes
+
+    return crashes(_settings_or_exit().crashes, args.show, args.json, sys.stdout)
 
 
 def _positive_seconds(text: str) -> float:

@@ -19,7 +19,7 @@ from appliance.admission.clients import Roster
 from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
-from appliance.engine import EngineState
+from appliance.engine import EngineState, Waiting
 from appliance.fences.uvicorn import ApiServer
 from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
 from supervisor.collector import SupervisorCollector, restart_durations
@@ -36,11 +36,13 @@ from supervisor.engine.launcher import build_launcher
 from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
+from supervisor.forensics.recorder import Recorder
 from supervisor.gpu.watch import build_gpu_watch
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor
+from supervisor.monitors.stillness import Stillness, server_activity
 from supervisor.reload import Reloader
 from supervisor.sdnotify import Notifier
 from supervisor.tls import ServerTls
@@ -109,11 +111,14 @@ async def serve(settings: Settings) -> int:
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
     admission = Admission.from_settings(settings)
-    # Only requests the API admits make the engine work: while none is, it is not read again.
-    progress = ProgressMonitor(prober, sup,
-                               demand=lambda: (admission.in_flight, admission.admitted))
+    # Only requests the API sends make the engine work: while none is, it is not read again;
+    # while some wait on it, they are work even if the worker's own gauges froze.
+    waiting = Waiting()
+    progress = ProgressMonitor(prober, sup, demand=lambda: (len(waiting), waiting.sent),
+                               stillness=Stillness(sup, "/metrics"), server=server_activity)
     monitors: list[Monitor] = [
-        HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures),
+        HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
+                      stillness=Stillness(sup, "/health")),
         progress,
     ]
     if gpu is not None:
@@ -121,7 +126,11 @@ async def serve(settings: Settings) -> int:
     reservation = size_gpu_reservation(settings)
     launcher = build_launcher(worker_settings(settings, reservation),
                               settings.policy.allowed_media_hosts)
-    manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
+    forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
+                         gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
+                         else {"status": "unavailable"})
+    manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu, waiting=waiting,
+                            forensics=forensics)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
     # 2. Metrics: the supervisor's facts, read at scrape time, in the registry the API serves.

@@ -66,6 +66,10 @@ class Vetted:
     def target(self) -> str:
         return self.api.path
 
+    @property
+    def client_name(self) -> str:
+        return self.client.name
+
     def body(self) -> bytes:
         return msgspec.json.encode(self.payload) if self.changed else self.raw
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from appliance.engine import EngineState
+from appliance.engine import EngineState, Waiting
 from appliance.settings import Settings
 from supervisor.engine.backoff import Backoff, CrashLoop
 from supervisor.engine.exits import ExitCause, ExitReason, Phase, process_exit
@@ -44,6 +44,20 @@ class GpuMemory(Protocol):
     async def wait_released(self, pids: set[int], timeout_s: float) -> bool: ...
 
 
+class Forensics(Protocol):
+    """Gathers a crash bundle at each death (supervisor.forensics.recorder.Recorder)."""
+
+    last: str | None  # the newest bundle's name
+
+    def lost(self) -> None: ...
+
+    async def before_stop(self, worker: Worker, cause: ExitCause) -> None: ...
+
+    def stopped(self, worker: Worker, cause: ExitCause, stopped_in_s: float) -> None: ...
+
+    def recovered(self, cause: ExitCause) -> None: ...
+
+
 Transition = Callable[[EngineState, EngineState, str], None]
 PhaseTiming = Callable[[str, float], None]
 
@@ -59,6 +73,8 @@ class EngineManager:
         monitors: list[Monitor],
         *,
         gpu: GpuMemory | None = None,
+        waiting: Waiting | None = None,
+        forensics: Forensics | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
@@ -69,6 +85,8 @@ class EngineManager:
         self._prober = prober
         self._monitors = monitors
         self._gpu = gpu
+        self.waiting = Waiting() if waiting is None else waiting  # the API's requests (EngineView)
+        self._forensics = forensics
         self._clock = clock
         self._sleep = sleep
         self._backoff = Backoff(sup.backoff_initial_s, sup.backoff_max_s, sup.backoff_jitter, rand)
@@ -140,6 +158,7 @@ class EngineManager:
             "last_exit": self._last_exit.as_dict() if self._last_exit else None,
             "recent_exits": [cause.as_dict() for _, cause in reversed(self._exits)],
             "gpu": self._gpu.summary() if self._gpu else {"status": "unavailable"},
+            "last_crash": self._forensics.last if self._forensics else None,
         }
 
     # --- control ----------------------------------------------------------------------------
@@ -223,10 +242,16 @@ class EngineManager:
         finally:
             self._fire_lost()
             self._ready_since = None
-        self._recovery = {"detected": self._clock()}
+        detected = self._clock()
+        self._recovery = {"detected": detected}
+        if self._forensics is not None:  # a hang's stacks, before the processes are killed
+            await self._forensics.before_stop(worker, cause)
         cause = await self._stop_worker(worker, cause)
         watcher.cancel()
-        return self._record(cause)
+        cause = self._record(cause)
+        if self._forensics is not None:
+            self._forensics.stopped(worker, cause, self._clock() - detected)
+        return cause
 
     def _on_exit(self, worker: Worker) -> None:
         """Runs the moment the worker exits: the API must answer 503 at once, not at next probe."""
@@ -313,6 +338,8 @@ class EngineManager:
         recovered = self._remember(self._serial - 1, replace(
             self._last_exit, restart={k: round(v, 3) for k, v in timings.items()}))
         log.info("engine.recovered", **recovered.restart)
+        if self._forensics is not None:
+            self._forensics.recovered(recovered)
         for listener in self.phase_listeners:
             for phase, seconds in timings.items():
                 listener(phase.removesuffix("_s"), seconds)
@@ -353,6 +380,8 @@ class EngineManager:
                     await task
 
     def _fire_lost(self) -> None:
+        if self._forensics is not None:  # the requests in flight, before their relays end them
+            self._forensics.lost()
         callbacks, self._lost_callbacks = list(self._lost_callbacks.values()), {}
         for callback in callbacks:
             callback()

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ log = structlog.get_logger("supervisor.engine.worker")
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 NO_MEDIA_HOST = "none.invalid"
+TAIL_LINES = 1000  # the worker's last output lines kept in memory (crashes.log_lines reads them)
 PIPE_LINE_LIMIT = 2**16  # bytes per output line, as asyncio's own default; longer lines are skipped
 
 
@@ -118,6 +120,7 @@ class Worker(Protocol):
     """A running worker as the manager and the monitors see it, however it was started."""
 
     pid: int
+    tail: deque[str]  # its last output lines, for a crash bundle
 
     @property
     def returncode(self) -> int | None: ...
@@ -140,7 +143,8 @@ class SessionWorker(ABC):
         self.pid = pid
         self.started_at = started_at
         self.boot = BootPhases(started_at)
-        self._pumps = [asyncio.create_task(_pump(stream, name, self.boot))
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._pumps = [asyncio.create_task(_pump(stream, name, self.boot, self.tail))
                        for stream, name in streams]
 
     @property
@@ -295,14 +299,16 @@ async def pump_lines(stream: asyncio.StreamReader, line: Callable[[str], None]) 
         line(raw.decode(errors="replace").rstrip())
 
 
-async def _pump(stream: asyncio.StreamReader, name: str, boot: BootPhases) -> None:
+async def _pump(stream: asyncio.StreamReader, name: str, boot: BootPhases,
+                tail: deque[str]) -> None:
     """Re-emit the worker's output through structlog, tagged source=worker (see worker_output),
-    and read the boot phases from it while it boots."""
+    read the boot phases from it while it boots, and keep its last lines."""
     output = WorkerOutput(name)
 
     def line(text: str) -> None:
         boot.feed(text)  # logs a boot phase when a line opens one; nothing once ready
         output.line(text)
+        tail.append(text)
 
     try:
         await pump_lines(stream, line)

@@ -15,6 +15,16 @@ what does move is the engine processes' CPU time. So the verdicts are:
   complete (at least `hang_busy_floor_s`): running but getting nowhere (a loop, a wedged GPU);
 - idle: nothing to do for `canary_interval_s`: a 1-token canary must answer in time, or the
   engine must at least be seen running meanwhile (starved, not stopped).
+
+"Busy" is the engine's own gauges, or the appliance's requests waiting on the worker when one
+was sent since the counters last moved: vLLM's gauges come from EngineCore's stats, so an
+EngineCore that stopped while idle keeps saying "idle" to a request it never picked up (seen:
+47 s to a verdict through the idle canary). A request the engine had already worked on when its
+counters last moved is not one (a stream its slow client has not read yet owes the engine
+nothing). While only the appliance knows of the work, the API server's CPU time counts too:
+it may still be preparing the request (tokenizing, decoding images) before EngineCore sees it.
+And with requests waiting, a /metrics read that gets no answer is not "unknown": a
+server that neither answers nor runs for `hang_stall_s` is stopped (supervisor.monitors.stillness).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 import structlog
@@ -33,6 +43,9 @@ from appliance.settings import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import Worker, session_members
+
+if TYPE_CHECKING:
+    from supervisor.monitors.stillness import Stillness
 
 log = structlog.get_logger("supervisor.monitors.progress")
 
@@ -85,11 +98,11 @@ class EngineActivity:
                 return None
             total += times.user + times.system
             if threads:
-                runnable += _runnable_threads(proc.pid)
+                runnable += runnable_threads(proc.pid)
         return None if changed else Activity(total, runnable)
 
 
-def _runnable_threads(pid: int) -> int:
+def runnable_threads(pid: int) -> int:
     """Threads of `pid` in state R (running or runnable) or D (in I/O): doing work."""
     count = 0
     try:
@@ -108,13 +121,15 @@ def _runnable_threads(pid: int) -> int:
     return count
 
 
-Demand = Callable[[], tuple[int, int]]  # (generation requests in flight, admitted so far)
+# (the appliance's requests waiting on the worker, requests sent to it so far): see
+# appliance.engine.Waiting.
+Demand = Callable[[], tuple[int, int]]
 
 
 class ProgressMonitor:
     """Reads the engine's counters each `progress_interval_s` while there is work, and only
-    then. With a `demand` (the API's admission), a reading that found the engine idle stays
-    true until a request is admitted: nothing else makes it work, so the monitor does not ask
+    then. With a `demand` (the API's requests on the worker), a reading that found the engine
+    idle stays true until a request is sent: nothing else makes it work, so the monitor does not ask
     again (a /metrics read costs the worker's API server about 10 ms of CPU a second) and
     runs only the idle canary. The engine threads' states (a /proc file per thread) are read
     only while the counters stand still, the one time a verdict needs them."""
@@ -124,10 +139,14 @@ class ProgressMonitor:
     def __init__(self, prober: ProgressProber, settings: SupervisorSettings, *,
                  demand: Demand | None = None,
                  activity: Callable[[Worker, bool], Activity | None] | None = None,
+                 stillness: Stillness | None = None,
+                 server: Callable[[Worker, bool], Activity | None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._prober = prober
         self._sup = settings
         self._demand = demand
+        self._stillness = stillness
+        self._server = server  # the API server's own activity (supervisor.monitors.stillness)
         self._clock = clock
         self._activity = activity or EngineActivity(clock)
         self.stats: EngineStats | None = None  # the last reading, for /metrics
@@ -143,6 +162,10 @@ class ProgressMonitor:
         self._last_canary = now
         self._samples: deque[tuple[float, Activity]] = deque()
         self._admitted_at_reading: int | None = None  # the demand's count when last read idle
+        self._sent_at_progress: int | None = None  # the demand's count when the counters moved
+        self._server_marks: deque[tuple[float, float]] = deque()  # (when, server CPU seconds)
+        if self._stillness is not None:
+            self._stillness.reset()
 
     async def check(self, worker: Worker) -> ExitCause | None:
         now = self._clock()
@@ -152,31 +175,73 @@ class ProgressMonitor:
         demand = self._demand() if self._demand is not None else None
         if self._still_idle(demand):
             return await self._idle(now, worker)
+        if self._stillness is not None:
+            self._stillness.asking(worker)
         stats = await self._prober.engine_stats()
         if stats is None:
-            self._sample(now, self._activity(worker, True))
-            return None  # the worker did not answer: the health monitor's call to make
+            return self._unanswered(now, worker, demand)
+        if self._stillness is not None:
+            self._stillness.answered()
         self.stats = stats
-        self._admitted_at_reading = demand[1] if demand is not None and not stats.busy else None
-        if not stats.busy:
+        busy = stats.busy or self._owed(demand)
+        if stats.busy or not busy:
+            self._server_marks.clear()
+        self._admitted_at_reading = demand[1] if demand is not None and not busy else None
+        if not busy:
             self._counters = stats.progress
+            self._sent_at_progress = demand[1] if demand is not None else None
             return await self._idle(now, worker)
         if stats.progress != self._counters:
             stretch = now - self._last_progress
             if self._counters is not None:
                 self.longest_step_s = max(self.longest_step_s, stretch)
             self._counters, self._last_progress = stats.progress, now
+            self._sent_at_progress = demand[1] if demand is not None else None
             # The base of a later stall's window: a sample at or before its start, whose
             # threads a verdict never reads (only those of samples after the start).
             self._sample(now, self._activity(worker, False))
             return None
         self._sample(now, self._activity(worker, True))
+        if not stats.busy and self._server_working(now, worker):
+            return None
         return self._verdict(now)
 
     async def _idle(self, now: float, worker: Worker) -> ExitCause | None:
         self._last_progress = now  # idle is not stalled
         self._sample(now, self._activity(worker, False))
         return await self._idle_canary(now, worker)
+
+    def _owed(self, demand: tuple[int, int] | None) -> bool:
+        """Requests wait on the worker and one was sent since the engine last made progress."""
+        return demand is not None and demand[0] > 0 and demand[1] != self._sent_at_progress
+
+    def _server_working(self, now: float, worker: Worker) -> bool:
+        """Only the appliance knows of the work: the API server may still be preparing it
+        (tokenizing, decoding images) before EngineCore sees any of it. True while its CPU
+        time over the last `hang_stall_s` says so, or that window is not covered yet."""
+        if self._server is None:
+            return False
+        reading = self._server(worker, False)
+        if reading is None:
+            return True  # gone: its exit is the manager's to see
+        marks, sup = self._server_marks, self._sup
+        marks.append((now, reading.cpu_s))
+        while len(marks) > 1 and marks[1][0] <= now - sup.hang_stall_s:
+            marks.popleft()
+        since, base = marks[0]
+        if now - since < sup.hang_stall_s:
+            return True
+        return reading.cpu_s - base >= sup.hang_cpu_floor * (now - since)
+
+    def _unanswered(self, now: float, worker: Worker,
+                    demand: tuple[int, int] | None) -> ExitCause | None:
+        """/metrics got no answer: with requests waiting, a server that does not run is hung;
+        else the health monitor's call to make."""
+        self._sample(now, self._activity(worker, True))
+        waiting = demand[0] if demand is not None else 0
+        if self._stillness is None or not waiting:
+            return None
+        return self._stillness.unanswered(worker, waiting)
 
     def _still_idle(self, demand: tuple[int, int] | None) -> bool:
         """The last reading found the engine idle and no request was admitted since."""

@@ -109,6 +109,7 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "CHAT_APPLIANCE_SUPERVISOR__BACKOFF_INITIAL_S": "0.5",
+        "CHAT_APPLIANCE_CRASHES__DIR": str(tmp_path / "crashes"),  # not the user's state dir
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
     env |= env_extra or {}
@@ -153,6 +154,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(worker),
         "CHAT_APPLIANCE_ENGINE__LISTEN": "tcp",  # the synthetic upstream listens on TCP only
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
+        "CHAT_APPLIANCE_CRASHES__DIR": str(tmp_path / "crashes"),
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
     log_path = tmp_path / "serve.log"

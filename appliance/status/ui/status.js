@@ -123,6 +123,9 @@
     $("engine-uptime").textContent = engine.uptime_s == null ? "not ready" : duration(engine.uptime_s);
     $("supervisor-uptime").textContent = duration(engine.supervisor_uptime_s);
     $("engine-restarts").textContent = engine.restarts;
+    // The bundle names clients and requests: the page names the command that shows it, on
+    // the appliance's own console, rather than serving it to anyone who can read the page.
+    $("engine-crash").textContent = engine.last_crash ? "chat-appliance crashes " + engine.last_crash : "none";
   }
 
   function renderRequests(requests) {

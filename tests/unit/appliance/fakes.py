@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
-from appliance.engine import EngineState
+from appliance.engine import EngineState, Waiting
 from appliance.settings import Settings
 from tests.net import free_port
 from tests.support.synthetic_upstream import SyntheticWorker
@@ -29,6 +29,7 @@ class FakeEngine:
     pid: int | None = 4242
     model_name: str = "synthetic"
     _lost: dict[int, Callable[[], None]] = field(default_factory=dict)
+    waiting: Waiting = field(default_factory=Waiting)
 
     def retry_after_s(self) -> int:
         return 7

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from appliance.engine import EngineState
+from appliance.engine import EngineState, Waiting
 from appliance.settings import Settings
-from supervisor.engine.manager import EngineManager
+from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.engine.manager import EngineManager, Forensics
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import StopReport, Worker
 from supervisor.monitors import Monitor
@@ -47,6 +49,7 @@ class FakeWorker:
     steps: int = 0  # the engine's progress counter
     cpu: float = 0.0  # CPU seconds its engine processes used: still when stopped or deadlocked
     last_cpu: float = 0.0
+    tail: deque[str] = field(default_factory=deque)
     _exited: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait(self) -> int:
@@ -122,7 +125,8 @@ def engine_activity(worker: Worker, threads: bool) -> Activity:
 
 
 def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | None = None,
-                 status: dict[str, float] | None = None, **supervisor: float) -> EngineManager:
+                 status: dict[str, float] | None = None, forensics: Forensics | None = None,
+                 **supervisor: float) -> EngineManager:
     settings = Settings(supervisor={"backoff_jitter": 0, "backoff_initial_s": 1,
                                     "backoff_max_s": 8, **supervisor}, status=status or {})
     prober, sup = FakeProber(launcher), settings.supervisor
@@ -134,7 +138,7 @@ def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | Non
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))  # type: ignore[arg-type]
     return EngineManager(settings, launcher, prober, monitors, gpu=gpu,  # type: ignore[arg-type]
-                         clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
+                         forensics=forensics, clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
 
 
 async def until(condition: Callable[[], bool], turns: int = 5000) -> None:
@@ -438,3 +442,56 @@ async def test_memory_still_held_after_stop_goes_failed_instead_of_starting() ->
     assert "still hold GPU memory" in manager.snapshot()["last_exit"]["detail"]
     manager.request_stop()
     await task
+
+
+@dataclass
+class FakeForensics:
+    """Records the order in which the manager calls the bundle hooks, and what it saw."""
+
+    events: list[str] = field(default_factory=list)
+    last: str | None = None
+    waiting_at_loss: int | None = None
+    manager: EngineManager | None = None
+
+    def lost(self) -> None:
+        if self.waiting_at_loss is None and self.manager is not None:
+            self.waiting_at_loss = len(self.manager.waiting)
+        self.events.append("lost")
+
+    async def before_stop(self, worker: Worker, cause: ExitCause) -> None:
+        assert worker.returncode is None or cause.reason is ExitReason.EXITED
+        self.events.append(f"before_stop {cause.reason.value} alive={worker.returncode is None}")
+
+    def stopped(self, worker: Worker, cause: ExitCause, stopped_in_s: float) -> None:
+        self.events.append(f"stopped {cause.reason.value}")
+        self.last = f"bundle-{worker.pid}"
+
+    def recovered(self, cause: ExitCause) -> None:
+        self.events.append(f"recovered total_s={cause.restart.get('total_s') is not None}")
+
+
+async def test_a_hang_is_recorded_with_its_requests_its_live_processes_and_its_restart() -> None:
+    clock, launcher, forensics = FakeClock(), FakeLauncher(), FakeForensics()
+    manager = make_manager(launcher, clock, forensics=forensics)
+    forensics.manager = manager
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    manager.waiting.add(object(), "req-1", object())  # type: ignore[arg-type]
+    launcher.current.busy = True  # busy, then no step and no CPU: hung
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY, turns=50000)
+    lost = forensics.events.index("lost")
+    assert forensics.events[lost:] == ["lost", "before_stop hung alive=True", "stopped hung",
+                                       "recovered total_s=True"]
+    assert forensics.waiting_at_loss == 1  # described before any relay could end
+    assert manager.snapshot()["last_crash"] == "bundle-100"
+    manager.request_stop()
+    await task
+
+
+def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() -> None:
+    """An empty Waiting is falsy (it has a length): the one given is kept all the same."""
+    waiting = Waiting()
+    settings = Settings()
+    manager = EngineManager(settings, FakeLauncher(), FakeProber(FakeLauncher()), [],
+                            waiting=waiting)  # type: ignore[arg-type]
+    assert manager.waiting is waiting

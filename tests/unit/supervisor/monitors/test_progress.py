@@ -11,6 +11,7 @@ from appliance.settings import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
 from supervisor.monitors.progress import Activity, ProgressMonitor
+from supervisor.monitors.stillness import Stillness
 
 pytestmark = pytest.mark.anyio
 
@@ -52,6 +53,33 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@dataclass
+class Server:
+    """The worker's API server: a frozen one answers nothing, each question then costing the
+    probe's full timeout on the clock, and its CPU time stands still."""
+
+    clock: Clock
+    frozen: bool = False
+    cpu: float = 0.0
+    cpu_per_question: float = 0.0
+
+    def asked(self, engine: Engine) -> Engine:
+        original = engine.engine_stats
+
+        async def engine_stats() -> EngineStats | None:
+            stats = await original()
+            if stats is None:
+                self.clock.now += SETTINGS.health_timeout_s
+            self.cpu += self.cpu_per_question
+            return stats
+
+        engine.engine_stats = engine_stats  # type: ignore[method-assign]
+        return engine
+
+    def activity(self) -> Activity:
+        return Activity(self.cpu, 0 if self.frozen or not self.cpu_per_question else 1)
 
 
 SETTINGS = SupervisorSettings(progress_interval_s=1, hang_stall_s=5, hang_cpu_floor=0.02,
@@ -218,6 +246,98 @@ async def test_thread_states_are_read_only_while_the_counters_stand_still() -> N
     assert cause is not None and "not running" in cause.detail and 5 <= after <= 7
 
 
+async def test_an_engine_frozen_while_idle_is_hung_soon_after_a_request_waits_on_it() -> None:
+    """EngineCore stopped while idle: its gauges stay "idle" (they come from its own stats), but
+    the request the appliance sent it is work; no step and no CPU since: hung in seconds, not
+    through the idle canary (47 s)."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    server = Server(clock)  # idle: it passed the request on and waits for EngineCore
+    mon = ProgressMonitor(engine, SETTINGS, clock=clock, demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          server=lambda _, threads: server.activity())
+    _, cause = await run_for(20, mon, engine, clock)  # idle, and frozen from here on
+    assert cause is None
+    demand[:] = [1, 1]  # a request arrives and waits for its head
+    after, cause = await run_for(60, mon, engine, clock)
+    assert cause is not None and cause.reason is ExitReason.HUNG and "not running" in cause.detail
+    assert after <= 7 and engine.canaries == 0
+
+
+async def test_a_request_the_api_server_still_prepares_is_not_a_hung_engine() -> None:
+    """A request only the appliance knows of, EngineCore idle: the server may still be
+    tokenizing it or decoding its images, and uses CPU meanwhile."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    server = Server(clock, cpu_per_question=0.5)  # half a core, one read a second
+    mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
+                          demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          server=lambda _, threads: server.activity())
+    await run_for(5, mon, engine, clock)
+    demand[:] = [1, 1]
+    _, cause = await run_for(60, mon, engine, clock)
+    assert cause is None
+
+
+async def test_a_request_the_engine_already_answered_is_not_owed_work() -> None:
+    """A stream whose slow client has not read the end yet: the engine finished it (its counters
+    moved after it was sent) and is idle; that is not a stall."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    mon = monitor(engine, clock, demand=demand)
+    await run_for(3, mon, engine, clock)
+    demand[:] = [1, 1]
+    engine.busy = True
+    await run_for(5, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)
+    engine.busy = False  # done, while the appliance still relays it
+    _, cause = await run_for(100, mon, engine, clock)
+    assert cause is None and engine.canaries >= 2  # the idle canary answers
+
+
+async def test_a_long_prefill_of_a_waiting_request_is_not_hung() -> None:
+    """An 8k prompt: no counter moves for tens of seconds, the gauges may not show it yet, but
+    the engine burns CPU."""
+    engine, clock, demand = Engine(), Clock(), [0, 0]
+    mon = monitor(engine, clock, demand=demand)
+    await run_for(5, mon, engine, clock)
+    demand[:] = [1, 1]
+    _, cause = await run_for(110, mon, engine, clock, cpu_per_s=0.9)
+    assert cause is None
+
+
+async def test_a_metrics_read_unanswered_with_requests_waiting_and_a_still_server_is_hung() -> None:
+    """The API server frozen (SIGSTOP of the pid /health names) while the appliance has requests
+    waiting on it: each /metrics read times out, and the server did not run meanwhile."""
+    engine, clock, demand = Engine(busy=True), Clock(), [2, 2]
+    server = Server(clock)
+    mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
+                          demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          stillness=Stillness(SETTINGS, "/metrics", clock=clock,
+                                              activity=lambda _, threads: server.activity()))
+    await run_for(3, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)
+    engine.answers_metrics, server.frozen = False, True
+    start = clock.now
+    cause = None
+    while cause is None and clock.now - start < 60:
+        clock.now += 1
+        cause = await mon.check(object())  # type: ignore[arg-type]
+    assert cause is not None and cause.reason is ExitReason.HUNG
+    assert "did not answer /metrics" in cause.detail and "requests waiting on it (2)" in cause.detail
+    assert clock.now - start <= 7
+
+
+async def test_a_metrics_read_unanswered_by_a_running_server_is_not_hung() -> None:
+    """A server starved of CPU still runs: no verdict from the progress watch."""
+    engine, clock, demand = Engine(busy=True, answers_metrics=False), Clock(), [2, 2]
+    server = Server(clock, cpu_per_question=0.2)
+    mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
+                          demand=lambda: (demand[0], demand[1]),
+                          activity=lambda _, threads: engine.activity(threads),
+                          stillness=Stillness(SETTINGS, "/metrics", clock=clock,
+                                              activity=lambda _, threads: server.activity()))
+    _, cause = await run_for(60, mon, engine, clock)
+    assert cause is None
+
+
 def test_thread_states_are_read_from_proc_for_real_processes() -> None:
     """A spinning process has a runnable thread; the same process stopped, or a sleeping one,
     has none."""
@@ -226,22 +346,22 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
     import sys
     import time
 
-    from supervisor.monitors.progress import _runnable_threads
+    from supervisor.monitors.progress import runnable_threads
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
-        while _runnable_threads(spin.pid) == 0:  # it may wait for a core on a busy box
+        while runnable_threads(spin.pid) == 0:  # it may wait for a core on a busy box
             assert time.monotonic() < deadline, "a spinning process was never seen runnable"
             time.sleep(0.05)
         deadline = time.monotonic() + 10  # once past its start-up, it only sleeps
-        while _runnable_threads(sleep.pid) != 0:
+        while runnable_threads(sleep.pid) != 0:
             assert time.monotonic() < deadline, "a sleeping process still looked runnable"
             time.sleep(0.05)
         spin.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while _runnable_threads(spin.pid) != 0:
+        while runnable_threads(spin.pid) != 0:
             assert time.monotonic() < deadline, "a stopped process still looked runnable"
             time.sleep(0.05)
     finally:

@@ -1,0 +1,39 @@
+"""The requests the appliance has waiting on the worker: counted cheaply, described on demand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.admission.clients import Client
+from appliance.engine import Waiting, fingerprint
+
+SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
+
+
+@dataclass
+class Pending:
+    raw: bytes
+    target: str = "/v1/chat/completions"
+    stream: bool = True
+    client: Client = field(default_factory=lambda: Client(name="team-a"))
+
+
+def test_waiting_counts_each_request_once_and_describes_it_without_its_body() -> None:
+    waiting, key = Waiting(), object()
+    waiting.add(key, "req-9", Pending(SECRET, stream=False))
+    assert len(waiting) == 1 and waiting.sent == 1
+    [entry] = waiting.describe()
+    assert "body" not in entry and entry["stream"] is False
+    assert entry["fingerprint"] == fingerprint("/v1/chat/completions", "team-a", SECRET)
+    assert waiting.describe(bodies=True)[0]["body"] == SECRET.decode()
+    waiting.discard(key)
+    waiting.discard(key)  # the relay's finally may run after an engine loss cleared nothing
+    assert len(waiting) == 0 and waiting.sent == 1
+
+
+def test_a_fingerprint_names_route_client_and_body() -> None:
+    base = fingerprint("/v1/chat/completions", "a", b"{}")
+    assert base == fingerprint("/v1/chat/completions", "a", b"{}")
+    assert len({base, fingerprint("/v1/completions", "a", b"{}"),
+                fingerprint("/v1/chat/completions", "b", b"{}"),
+                fingerprint("/v1/chat/completions", "a", b"{ }")}) == 4
