@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -244,9 +245,12 @@ def _optional(body: Mapping[str, Any], key: str, check: Check) -> None:
 
 
 def _number(value: Any, param: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    # An int JSON allows (any length) can be past every float: float() and isfinite() overflow.
+    number = float(value) if isinstance(value, float) or (
+        _is_int(value) and abs(value) <= sys.float_info.max) else math.nan
+    if not math.isfinite(number):
         _bad(f"'{param}' must be a number, got {_show(value)}.", param, "invalid_type")
-    return float(value)
+    return number
 
 
 def _is_int(value: Any) -> bool:

@@ -222,6 +222,8 @@ def test_validate_chat_treats_null_as_absent(field: str) -> None:
         ("top_p", -1),
         ("top_p", "1"),
         ("top_p", False),
+        ("top_p", 10**400),  # JSON allows any length; past every float, not an overflow (500)
+        ("temperature", -(10**400)),
     ],
 )
 def test_validate_chat_refuses_sampling_numbers_out_of_range(field: str, value: Any) -> None:
