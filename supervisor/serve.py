@@ -25,6 +25,7 @@ from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.engine.launcher import build_launcher
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
+from supervisor.gpu.device import device_env
 from supervisor.gpu.watch import build_gpu_watch
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
@@ -119,7 +120,8 @@ async def serve(settings: Settings) -> int:
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(worker_settings(settings), settings.policy.allowed_media_hosts)
+    launcher = build_launcher(worker_settings(settings, gpu.uuid if gpu else None),
+                              settings.policy.allowed_media_hosts)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
 
@@ -185,18 +187,22 @@ async def serve(settings: Settings) -> int:
     await prober.aclose()
     await launcher.aclose()
     if gpu is not None:
-        gpu.close()
+        await gpu.aclose()
     log.info("supervisor.stopped", restarts=manager.restarts)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def worker_settings(settings: Settings) -> EngineSettings:
+def worker_settings(settings: Settings, gpu_uuid: str | None = None) -> EngineSettings:
     """The engine's settings with vLLM's priority scheduler where clients have priorities (the
-    operator's own engine.extra_args come after, and win)."""
+    operator's own engine.extra_args come after, and win), on the GPU the monitor watches."""
+    engine = settings.engine
+    if engine.resolved_device() == "cuda":
+        engine = engine.model_copy(update={"env": {**device_env(settings.gpu, gpu_uuid),
+                                                   **engine.env}})
     if not settings.admission.engine_priority():
-        return settings.engine
-    extra = ["--scheduling-policy", "priority", *settings.engine.extra_args]
-    return settings.engine.model_copy(update={"extra_args": extra})
+        return engine
+    extra = ["--scheduling-policy", "priority", *engine.extra_args]
+    return engine.model_copy(update={"extra_args": extra})
 
 
 def _reload_clients(clients: Roster) -> None:

@@ -379,12 +379,22 @@ class FakeGpu:
         self.action: str = "none"
         self.cause = ""
         self.releases = True
+        self.unfit: str | None = None  # what settle() finds once a worker is gone
         self.waited_for: list[set[int]] = []
+        self.log: list[str] = []  # new_worker, check, settle, in the order the manager called
+
+    def new_worker(self) -> None:
+        self.log.append("new_worker")
+
+    async def settle(self) -> str | None:
+        self.log.append("settle")
+        return self.unfit
 
     def summary(self) -> dict[str, object]:
         return {"status": "ok", "health": self.action}
 
     async def check(self) -> tuple[str, str]:
+        self.log.append("check")
         action, self.action = self.action, "none" if self.action == "restart_worker" else self.action
         return action, self.cause
 
@@ -436,5 +446,47 @@ async def test_memory_still_held_after_stop_goes_failed_instead_of_starting() ->
     await until(lambda: manager.state is EngineState.FAILED)
     assert len(launcher.workers) == 1
     assert "still hold GPU memory" in manager.snapshot()["last_exit"]["detail"]
+    manager.request_stop()
+    await task
+
+
+async def test_a_gpu_fault_during_boot_is_known_at_once_not_at_the_startup_timeout() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(lambda pid: FakeWorker(pid, boots=False)), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.STARTING)
+    gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception): worker fault"
+    await until(lambda: len(launcher.workers) == 2)
+    first = manager.snapshot()["recent_exits"][-1]
+    assert (first["phase"], first["reason"]) == ("boot", "gpu_app_error")
+    assert clock.now - 1000.0 < manager._sup.startup_timeout_s
+    manager.request_stop()
+    await task
+
+
+async def test_an_ended_workers_last_xids_are_drained_before_the_next_worker_is_judged() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    second_life = gpu.log[gpu.log.index("settle"):]
+    assert second_life[:2] == ["settle", "new_worker"], "drained, then the new worker is watched"
+    manager.request_stop()
+    await task
+
+
+async def test_a_gpu_that_needs_a_reset_after_a_worker_ended_fails_naming_the_action() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    gpu.unfit = "xid 48 (double-bit ECC error): GPU unhealthy; stop chat-appliance, reset the GPU"
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.state is EngineState.FAILED)
+    assert len(launcher.workers) == 1
+    last = manager.snapshot()["last_exit"]
+    assert last["reason"] == "gpu_fatal" and "reset the GPU" in last["detail"]
     manager.request_stop()
     await task
