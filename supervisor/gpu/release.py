@@ -8,13 +8,16 @@ does not always list them, so what "released" means depends on the box, decided 
   last idle (the baseline) may still hold memory;
 - NVML will not list processes (MIG as a user other than root, an old driver): the GPU's used
   memory is back within `release_slack_mib` of what it was when the supervisor started.
-Every NVML call runs in a thread with the time left as its limit: a sick GPU whose calls block
-for seconds freezes neither the API, /livez nor the watchdog ping.
+Every NVML call runs in NVML's own thread with the time left as its limit: a sick GPU whose calls
+block for seconds freezes neither the API, /livez nor the watchdog ping, and a call that never
+returns holds that one thread, not the event loop's shared pool (calls queued behind it and
+given up are cancelled before they run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +31,7 @@ T = TypeVar("T")
 # The kernel's inode number of the initial PID namespace (PROC_PID_INIT_INO).
 HOST_PID_NAMESPACE_INODE = 0xEFFFFFFC
 MIB = 1024 * 1024
+_NVML_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
 
 
 class ProcessLister(Protocol):
@@ -48,9 +52,10 @@ class NvmlTimeout(Exception):
 
 
 async def off_loop(call: Callable[[], T], timeout_s: float) -> T:
-    """`call()` in a thread, so the event loop turns while NVML blocks."""
+    """`call()` in NVML's thread, so the event loop turns while NVML blocks."""
+    running = asyncio.get_running_loop().run_in_executor(_NVML_THREAD, call)
     try:
-        return await asyncio.wait_for(asyncio.to_thread(call), max(timeout_s, 0.001))
+        return await asyncio.wait_for(running, max(timeout_s, 0.001))
     except TimeoutError:
         name = getattr(call, "__name__", str(call))
         log.warning("gpu.nvml_call_slow", call=name, waited_s=round(timeout_s, 3))
