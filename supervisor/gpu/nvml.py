@@ -14,7 +14,7 @@ drains what is left as the ended worker's (a restart-class Xid then asks for not
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import ModuleType
 from typing import Any
 
@@ -136,7 +136,8 @@ class GpuMonitor:
     def settle(self) -> GpuVerdict:
         """A worker has ended: drain what Xids are left as that worker's. Its restart-class
         Xids ask for nothing more (it is gone); a reset or reboot class still fails."""
-        return self._poll(worker_gone=True).verdict
+        self._poll(worker_gone=True)
+        return self.verdict()
 
     def verdict(self) -> GpuVerdict:
         """What stays true between polls: a lost GPU, or one that needs a reset or reboot."""
@@ -151,8 +152,8 @@ class GpuMonitor:
         try:
             for label in ("compute_processes", "graphics_processes"):
                 processes = self._query(label)
-                if processes is None and label in self._unsupported:
-                    return None
+                if label == "compute_processes" and label in self._unsupported:
+                    return None  # graphics processes alone may be unsupported (a compute GPU)
                 pids.update(int(process.pid) for process in processes or ())
         except _Fatal as exc:
             self._mark_failed(exc.error, during="pids_using_memory")
@@ -269,8 +270,8 @@ class GpuMonitor:
         self._event_set = event_set
 
     def _poll(self, *, worker_gone: bool) -> GpuReading:
-        if not self._can_query():
-            return self._last
+        if not self._can_query():  # nothing new: only what is sticky stands
+            return replace(self._last, verdict=self.verdict())
         try:
             reading = self._read(worker_gone=worker_gone)
         except _Fatal as exc:

@@ -451,7 +451,8 @@ async def test_memory_still_held_after_stop_goes_failed_instead_of_starting() ->
 
 
 async def test_a_gpu_fault_during_boot_is_known_at_once_not_at_the_startup_timeout() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(lambda pid: FakeWorker(pid, boots=False)), FakeGpu()
+    never_boots = FakeLauncher(lambda pid: FakeWorker(pid, boots=False))
+    clock, launcher, gpu = FakeClock(), never_boots, FakeGpu()
     manager = make_gpu_manager(launcher, clock, gpu)
     task = asyncio.create_task(manager.run())
     await until(lambda: manager.state is EngineState.STARTING)
@@ -459,7 +460,7 @@ async def test_a_gpu_fault_during_boot_is_known_at_once_not_at_the_startup_timeo
     await until(lambda: len(launcher.workers) == 2)
     first = manager.snapshot()["recent_exits"][-1]
     assert (first["phase"], first["reason"]) == ("boot", "gpu_app_error")
-    assert clock.now - 1000.0 < manager._sup.startup_timeout_s
+    assert clock.now - 1000.0 < Settings().supervisor.startup_timeout_s
     manager.request_stop()
     await task
 

@@ -447,3 +447,10 @@ def test_settle_drains_an_ended_workers_xids_without_asking_again(gpu: FakeGpu) 
     assert monitor.poll().verdict.action == "none"  # the next worker is not blamed for it
     gpu.xid(48)
     assert monitor.settle().action == "fail"  # a GPU that needs a reset stays failed
+
+
+def test_a_compute_gpu_without_a_graphics_listing_still_lists_its_processes(gpu: FakeGpu) -> None:
+    gpu.fail["nvmlDeviceGetGraphicsRunningProcesses"] = NVMLError_NotSupported
+    gpu.fail["nvmlDeviceGetGraphicsRunningProcesses_v2"] = NVMLError_NotSupported
+    gpu.process_pids = [[4242]]
+    assert opened(gpu).pids_using_memory() == {4242}
