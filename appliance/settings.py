@@ -304,6 +304,8 @@ class GpuSettings(_Group):
     enabled: bool = True
     device: str = "0"  # index or UUID
     poll_interval_s: float = Field(5.0, gt=0)
+    call_timeout_s: float = Field(10.0, gt=0)  # one NVML call, run off the event loop
+    release_slack_mib: int = Field(256, ge=0)  # release wait where NVML lists no processes
 
 
 class StatusSettings(_Group):

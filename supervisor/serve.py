@@ -37,6 +37,7 @@ from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
 from supervisor.forensics.recorder import Recorder
+from supervisor.gpu.device import device_env
 from supervisor.gpu.watch import build_gpu_watch
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
@@ -124,7 +125,7 @@ async def serve(settings: Settings) -> int:
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
     reservation = size_gpu_reservation(settings)
-    launcher = build_launcher(worker_settings(settings, reservation),
+    launcher = build_launcher(worker_settings(settings, reservation, gpu.uuid if gpu else None),
                               settings.policy.allowed_media_hosts)
     forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
@@ -206,20 +207,25 @@ async def serve(settings: Settings) -> int:
     await prober.aclose()
     await launcher.aclose()
     if gpu is not None:
-        gpu.close()
+        await gpu.aclose()
     log.info("supervisor.stopped", restarts=manager.restarts)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
-def worker_settings(settings: Settings, reservation: Reservation | None = None) -> EngineSettings:
-    """The engine's settings with the sized GPU reservation, and vLLM's priority scheduler
-    where clients have priorities (the operator's own engine.extra_args come after, and win)."""
+def worker_settings(settings: Settings, reservation: Reservation | None = None,
+                    gpu_uuid: str | None = None) -> EngineSettings:
+    """The engine's settings with the sized GPU reservation, on the GPU the monitor watches, and
+    vLLM's priority scheduler where clients have priorities (the operator's own engine.env and
+    engine.extra_args come after, and win)."""
+    engine = settings.engine
     update: dict[str, object] = {}
     if reservation is not None:
         update["gpu_memory_utilization"] = reservation.utilization
+    if engine.resolved_device() == "cuda":
+        update["env"] = {**device_env(settings.gpu, gpu_uuid), **engine.env}
     if settings.admission.engine_priority():
-        update["extra_args"] = ["--scheduling-policy", "priority", *settings.engine.extra_args]
-    return settings.engine.model_copy(update=update)
+        update["extra_args"] = ["--scheduling-policy", "priority", *engine.extra_args]
+    return engine.model_copy(update=update)
 
 
 def size_gpu_reservation(

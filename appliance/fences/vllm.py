@@ -59,6 +59,7 @@ class Env:
     CACHE_ROOT = "VLLM_CACHE_ROOT"
     ENABLE_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
     CPU_OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+    NO_USAGE_STATS = "VLLM_NO_USAGE_STATS"
 
 
 ENV_VARS = tuple(value for name, value in vars(Env).items() if name.isupper())
@@ -119,8 +120,9 @@ API_WARM = (
     "vllm.entrypoints.scale_out.factories",
     "vllm.entrypoints.serve.instrumentator.metrics",
 )
-# What EngineCore imports on the CPU. On a GPU the engine core's modules are left to vLLM to
-# import after its own fork: the template must never risk touching CUDA.
+# What EngineCore imports on the CPU. On a GPU the engine core's modules (the GPU worker, its
+# kernels) are left to EngineCore to import after it is forked: importing them may initialise
+# CUDA, and the template must never hold a CUDA context.
 CPU_ENGINE_WARM = (
     "vllm.v1.executor.uniproc_executor",
     "vllm.v1.executor.multiproc_executor",

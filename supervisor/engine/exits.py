@@ -16,7 +16,7 @@ class ExitReason(enum.StrEnum):
     UNHEALTHY = "unhealthy"  # K consecutive failed /health probes
     HUNG = "hung"  # no progress while busy, or an idle canary that never answered
     GPU_APP_ERROR = "gpu_app_error"  # an application Xid: the GPU is fine, restart the worker
-    GPU_FATAL = "gpu_fatal"  # the GPU is lost or broken: restarting cannot help
+    GPU_FATAL = "gpu_fatal"  # lost, or needs a reset or reboot (named in detail): no restart
     STARTUP_TIMEOUT = "startup_timeout"
     SPAWN_FAILED = "spawn_failed"
     STOPPED = "stopped"  # the supervisor asked for it

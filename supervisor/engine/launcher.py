@@ -60,7 +60,7 @@ class TemplateLauncher:
         cpu = engine.resolved_device() == "cpu"
         warm = API_WARM + (CPU_ENGINE_WARM if cpu else ())
         self._preloads = (list(API_PRELOADS), list(warm)) if preloads is None else (preloads, [])
-        self._engine_core_fork = cpu and preloads is None
+        self._engine_core_fork = preloads is None
         self._template: TemplateProcess | None = None
         self._booting: asyncio.Task[TemplateProcess] | None = None
         self._watcher: asyncio.Task[None] | None = None

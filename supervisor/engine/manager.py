@@ -43,6 +43,8 @@ class GpuMemory(Protocol):
 
     async def wait_released(self, pids: set[int], timeout_s: float) -> bool: ...
 
+    async def settle(self) -> str | None: ...
+
 
 class Forensics(Protocol):
     """Gathers a crash bundle at each death (supervisor.forensics.recorder.Recorder)."""
@@ -277,6 +279,10 @@ class EngineManager:
                                  f"not ready after {self._sup.startup_timeout_s:.0f}s")
             if await self._prober.serving() and await self._prober.canary(self._sup.canary_timeout_s):
                 return None
+            for monitor in self._monitors:
+                cause = await monitor.check(worker) if getattr(monitor, "watches_boot", False) else None
+                if cause is not None:
+                    return replace(cause, phase="boot")
             await self._nap(self._sup.boot_poll_s)
 
     async def _watch(self, worker: Worker) -> ExitCause:
@@ -305,6 +311,9 @@ class EngineManager:
             return replace(cause, reason=ExitReason.GPU_FATAL, detail=(
                 f"old worker pids {sorted(pids)} still hold GPU memory after "
                 f"{self._sup.gpu_release_timeout_s:.0f}s; not starting a worker that would fail"))
+        unfit = await self._gpu.settle() if self._gpu is not None else None  # its last Xids
+        if unfit is not None:
+            return replace(cause, reason=ExitReason.GPU_FATAL, detail=unfit)
         self._mark("stopped")
         return cause
 

@@ -85,6 +85,9 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
     # Nothing may download weights at run time; the worker reads local directories only.
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                 Env.MEDIA_URL_ALLOW_REDIRECTS: "0"})
+    # A LAN appliance reports nothing to the internet: vLLM's usage statistics are off unless
+    # the operator turns them on in engine.env.
+    env.update({Env.NO_USAGE_STATS: "1", "DO_NOT_TRACK": "1"})
     env.pop("VIRTUAL_ENV", None)
     for key in ENV_VARS:  # systemd's notify socket is the supervisor's alone
         env.pop(key, None)
@@ -97,13 +100,15 @@ def build_env(engine: EngineSettings) -> dict[str, str]:
 
 
 def cache_env(engine: EngineSettings) -> dict[str, str]:
-    """One cache root that outlives the worker: vLLM puts its torch.compile, Inductor and Triton
+    """One cache root that outlives the worker: vLLM puts its torch.compile and Inductor
     caches under VLLM_CACHE_ROOT, so a restart on a GPU loads compiled graphs instead of
-    compiling again. There the memory-profiling result is kept too (vLLM's startup plan, reused
-    only while the model, config, hardware and free memory still match). Nothing here matters on
-    the CPU default, which runs eager."""
+    compiling again. Triton's cache is put there too: vLLM moves it under its root only once it
+    compiles a graph, so its own Triton kernels would otherwise go to ~/.triton. There the
+    memory-profiling result is kept too (vLLM's startup plan, reused only while the model,
+    config, hardware and free memory still match). Nothing here matters on the CPU default,
+    which runs eager."""
     root = engine.resolved_cache_dir()
-    env = {Env.CACHE_ROOT: str(root)}
+    env = {Env.CACHE_ROOT: str(root), "TRITON_CACHE_DIR": str(root / "triton")}
     if engine.resolved_device() == "cuda":
         env[Env.ENABLE_STARTUP_PLAN] = "1"
     return env

@@ -2,31 +2,27 @@
 
 Every NVML call goes through one injected module object (`pynvml`), so a fake drives the
 tests. Without NVML (no driver: a laptop, CI) the monitor is "unavailable" and answers empty.
-Threads: the manager runs `poll()` via `asyncio.to_thread` while the loop reads `verdict()`,
-`summary()` and `gauges()`; state crosses threads only as whole-object assignments.
+Threads: every method that calls NVML blocks (a sick GPU's calls can take seconds) and is run
+off the event loop by supervisor/gpu/watch.py; the loop only reads `verdict()`, `summary()` and
+`gauges()`; state crosses threads only as whole-object assignments.
+
+Xids carry no PID, so they are attributed by time: `poll()` judges what it drains as the
+running worker's; `settle()`, run once a worker is gone and before its successor is judged,
+drains what is left as the ended worker's (a restart-class Xid then asks for nothing more).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import ModuleType
 from typing import Any
 
 import structlog
 
 from appliance.settings import GpuSettings
-from supervisor.gpu.readings import (
-    XID_NAMES,
-    GpuReading,
-    GpuVerdict,
-    Status,
-    classify_xid,
-    describe_xid,
-)
+from supervisor.gpu.readings import GpuReading, GpuVerdict, Status
+from supervisor.gpu.xids import OPERATOR_ACTIONS, Resolution, classify_xid
 
 log = structlog.get_logger(__name__)
 
@@ -43,22 +39,38 @@ _QUERIES: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
     "ecc": (("nvmlDeviceGetTotalEccErrors",), (1, 0)),  # uncorrected, volatile (since boot)
     "retired_pages": (("nvmlDeviceGetRetiredPagesPendingStatus",), ()),
     "row_remap": (("nvmlDeviceGetRemappedRows",), ()),  # (corrected, uncorrected, pending, failed)
-    "compute_processes": (("nvmlDeviceGetComputeRunningProcesses",), ()),
-    "graphics_processes": (("nvmlDeviceGetGraphicsRunningProcesses",), ()),
+    # The unversioned call is _v3, which an older driver lacks (NVMLLibraryMismatchError).
+    "compute_processes": (
+        ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetComputeRunningProcesses_v2"),
+        (),
+    ),
+    "graphics_processes": (
+        ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+        (),
+    ),
 }
 _MAX_EVENTS_PER_POLL = 64
 _LOST = "NVMLError_GpuIsLost"  # NVML_ERROR_GPU_IS_LOST, as pynvml names its class
+_RESET_REQUIRED = "NVMLError_ResetRequired"  # NVML_ERROR_RESET_REQUIRED: "GPU requires reset"
+# Not an NVMLError: nvidia-ml-py raises it for an unversioned call this NVML library lacks.
+_MISMATCH = "NVMLLibraryMismatchError"
 _ABSENT_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
-# Logged once, then that query is skipped: the GPU, the driver or our privileges lack it.
+# Logged once, then that query is skipped: the GPU, the driver or our privileges lack it
+# (under MIG a user other than root may not list processes: NoPermission).
 _UNSUPPORTED_ERRORS = (
     "NVMLError_NotSupported",
     "NVMLError_FunctionNotFound",
     "NVMLError_NoPermission",
+    _MISMATCH,
 )
 
 
-class _GpuLost(Exception):
-    """NVML answered NVML_ERROR_GPU_IS_LOST."""
+class _Fatal(Exception):
+    """NVML answered GPU_IS_LOST or RESET_REQUIRED: no query of this GPU is worth more."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class GpuMonitor:
@@ -89,6 +101,10 @@ class GpuMonitor:
         return self._initialized and self._status in ("ok", "unhealthy", "lost")
 
     @property
+    def uuid(self) -> str | None:
+        return self._uuid
+
+    @property
     def events_supported(self) -> bool:
         return self._event_set is not None
 
@@ -112,55 +128,48 @@ class GpuMonitor:
         log.info("gpu.opened", name=self._name, uuid=self._uuid, xid_events=self.events_supported)
 
     def poll(self) -> GpuReading:
-        """Read telemetry and drain Xid events (non-blocking); the reading carries the verdict."""
-        if not self._can_query():
-            return self._last
-        try:
-            reading = self._read()
-        except _GpuLost as exc:
-            reading = GpuReading(verdict=self._mark_lost(exc, during="poll"))
-        else:
-            self._log_transitions(self._last, reading)
-        self._last = reading
-        return reading
+        """Read telemetry and drain Xid events (non-blocking) as the running worker's; the
+        reading's verdict is for this poll only (a restart is asked for once), `verdict()` keeps
+        what is sticky."""
+        return self._poll(worker_gone=False)
+
+    def settle(self) -> GpuVerdict:
+        """A worker has ended: drain what Xids are left as that worker's. Its restart-class
+        Xids ask for nothing more (it is gone); a reset or reboot class still fails."""
+        self._poll(worker_gone=True)
+        return self.verdict()
 
     def verdict(self) -> GpuVerdict:
-        """The verdict of the last poll; a lost or unhealthy GPU stays `fail`."""
-        return self._failure or self._last.verdict
+        """What stays true between polls: a lost GPU, or one that needs a reset or reboot."""
+        return self._failure or GpuVerdict()
 
-    def pids_using_memory(self) -> set[int]:
-        """PIDs of compute and graphics processes holding memory on this GPU (host PIDs)."""
+    def pids_using_memory(self) -> set[int] | None:
+        """PIDs (as the host numbers them) of compute and graphics processes holding memory
+        on this GPU; None where NVML will not list them (MIG without root, an old driver)."""
         if not self._can_query():
             return set()
         pids: set[int] = set()
         try:
             for label in ("compute_processes", "graphics_processes"):
-                pids.update(int(process.pid) for process in self._query(label) or ())
-        except _GpuLost as exc:
-            self._mark_lost(exc, during="pids_using_memory")
+                processes = self._query(label)
+                if label == "compute_processes" and label in self._unsupported:
+                    return None  # graphics processes alone may be unsupported (a compute GPU)
+                pids.update(int(process.pid) for process in processes or ())
+        except _Fatal as exc:
+            self._mark_failed(exc.error, during="pids_using_memory")
             return set()
         return pids
 
-    async def wait_released(
-        self,
-        pids: set[int],
-        timeout_s: float,
-        *,
-        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-        clock: Callable[[], float] = time.monotonic,
-        interval_s: float = 0.25,
-    ) -> bool:
-        """Wait until none of `pids` holds GPU memory; False on timeout (logged)."""
-        deadline = clock() + timeout_s
-        while True:
-            holding = pids & self.pids_using_memory()
-            if not holding:
-                return True
-            remaining = deadline - clock()
-            if remaining <= 0:
-                log.warning("gpu.memory_not_released", pids=sorted(holding), timeout_s=timeout_s)
-                return False
-            await sleep(min(interval_s, remaining))
+    def memory_used_bytes(self) -> int | None:
+        """Used memory of the whole GPU now; None where NVML cannot say."""
+        if not self._can_query():
+            return None
+        try:
+            memory = self._query("memory")
+        except _Fatal as exc:
+            self._mark_failed(exc.error, during="memory_used_bytes")
+            return None
+        return None if memory is None else int(memory.used)
 
     def summary(self) -> dict[str, Any]:
         """The GPU part of /health's JSON."""
@@ -238,8 +247,9 @@ class GpuMonitor:
         return self._nvml.nvmlDeviceGetHandleByUUID(device)
 
     def _device_failed(self, exc: BaseException) -> None:
-        if self._is(exc, _LOST):
-            self._mark_lost(exc, during="open")
+        if self._is(exc, _LOST, _RESET_REQUIRED):
+            self._status = "ok"  # found, and answering that it is broken: a sticky fail
+            self._mark_failed(exc, during="open")
             return
         log.error("gpu.device_not_found", device=self._settings.device, error=str(exc))
         self._handle = None
@@ -259,10 +269,24 @@ class GpuMonitor:
             return
         self._event_set = event_set
 
-    def _read(self) -> GpuReading:
+    def _poll(self, *, worker_gone: bool) -> GpuReading:
+        if not self._can_query():  # nothing new: only what is sticky stands
+            return replace(self._last, verdict=self.verdict())
+        try:
+            reading = self._read(worker_gone=worker_gone)
+        except _Fatal as exc:
+            reading = GpuReading(verdict=self._mark_failed(exc.error, during="poll"))
+        else:
+            self._log_transitions(self._last, reading)
+        self._last = reading
+        return reading
+
+    def _read(self, *, worker_gone: bool) -> GpuReading:
         labels = ("memory", "utilization", "temperature", "clock_event_reasons", "ecc")
         memory, utilization, temperature, reasons, ecc = (self._query(q) for q in labels)
         retired, remap = self._query("retired_pages"), self._query("row_remap")
+        if remap is not None and remap[3]:  # the InfoROM could not record a remap
+            self._fail("row remapping failed", "reset_gpu")
         xids = self._drain_xids()
         return GpuReading(
             memory_used_bytes=None if memory is None else int(memory.used),
@@ -273,8 +297,9 @@ class GpuMonitor:
             ecc_uncorrected_volatile=None if ecc is None else int(ecc),
             retired_pages_pending=None if retired is None else bool(retired),
             row_remap_pending=None if remap is None else bool(remap[2]),
+            row_remap_failed=None if remap is None else bool(remap[3]),
             xids=xids,
-            verdict=self._judge(xids),
+            verdict=self._judge(xids, worker_gone=worker_gone),
         )
 
     def _query(self, label: str) -> Any:
@@ -282,13 +307,11 @@ class GpuMonitor:
         if label in self._unsupported:
             return None
         names, args = _QUERIES[label]
-        nvml = self._nvml
-        for function in (getattr(nvml, name) for name in names if hasattr(nvml, name)):
+        for function in (getattr(self._nvml, name) for name in names if hasattr(self._nvml, name)):
             try:
                 return function(self._handle, *args)
-            except nvml.NVMLError as exc:
-                if self._is(exc, _LOST):
-                    raise _GpuLost(str(exc)) from exc
+            except self._errors as exc:
+                self._raise_if_fatal(exc)
                 if not self._is(exc, *_UNSUPPORTED_ERRORS):
                     log.warning("gpu.query_failed", query=label, error=str(exc))
                     return None
@@ -304,9 +327,8 @@ class GpuMonitor:
         for _ in range(_MAX_EVENTS_PER_POLL):
             try:
                 data = nvml.nvmlEventSetWait(self._event_set, 0)
-            except nvml.NVMLError as exc:
-                if self._is(exc, _LOST):
-                    raise _GpuLost(str(exc)) from exc
+            except self._errors as exc:
+                self._raise_if_fatal(exc)
                 if not self._is(exc, "NVMLError_Timeout"):  # Timeout: the queue is empty
                     log.warning("gpu.event_wait_failed", error=str(exc))
                 break
@@ -314,30 +336,48 @@ class GpuMonitor:
                 xids.append(int(data.eventData))
         return tuple(xids)
 
-    def _judge(self, xids: tuple[int, ...]) -> GpuVerdict:
-        application: list[int] = []
+    def _judge(self, xids: tuple[int, ...], *, worker_gone: bool) -> GpuVerdict:
+        """Acts per the catalog's class: restart the running worker once, fail, or record."""
+        restart: str | None = None
         for xid in xids:
-            action = classify_xid(xid)
+            found = classify_xid(xid)
             self._last_xid = xid
             self._xid_total += 1
-            log.error("gpu.xid", xid=xid, name=XID_NAMES.get(xid), action=action, uuid=self._uuid)
-            if action == "restart_worker":
-                application.append(xid)
-            elif self._failure is None:
-                self._failure = GpuVerdict("fail", describe_xid(xid) + ": GPU unhealthy")
-                self._status = "unhealthy"
+            level = log.warning if found.resolution == "informational" else log.error
+            level("gpu.xid", xid=xid, name=found.name, resolution=found.resolution,
+                  worker="ended" if worker_gone else "running", uuid=self._uuid)
+            if found.resolution in OPERATOR_ACTIONS:
+                self._fail(found.description, found.resolution)
+            elif found.resolution == "restart_app" and not worker_gone and restart is None:
+                restart = found.description + ": worker fault"
         if self._failure is not None:
             return self._failure
-        if application:
-            return GpuVerdict("restart_worker", describe_xid(application[0]) + ": worker fault")
-        return GpuVerdict()
+        return GpuVerdict("restart_worker", restart) if restart else GpuVerdict()
 
-    def _mark_lost(self, exc: BaseException, *, during: str) -> GpuVerdict:
-        if self._status != "lost":
-            log.error("gpu.lost", during=during, error=str(exc), uuid=self._uuid)
-        self._status = "lost"
-        self._failure = GpuVerdict("fail", "GPU lost (NVML_ERROR_GPU_IS_LOST)")
-        return self._failure
+    def _fail(self, what: str, resolution: Resolution) -> None:
+        """Sticky: the GPU needs an operator, and the cause says what they must do."""
+        if self._failure is not None:
+            return
+        action = OPERATOR_ACTIONS[resolution].format(uuid=self._uuid or "<gpu>")
+        self._failure = GpuVerdict("fail", f"{what}: GPU unhealthy; {action}")
+        self._status = "unhealthy"
+        log.error("gpu.unhealthy", cause=self._failure.cause, uuid=self._uuid)
+
+    def _mark_failed(self, exc: BaseException, *, during: str) -> GpuVerdict:
+        """NVML said the GPU is lost (reboot) or needs a reset."""
+        if self._is(exc, _RESET_REQUIRED):
+            self._fail(f"NVML: the GPU requires a reset ({exc})", "reset_gpu")
+        else:
+            if self._status != "lost":
+                log.error("gpu.lost", during=during, error=str(exc), uuid=self._uuid)
+            self._status = "lost"
+            self._failure = GpuVerdict(
+                "fail", "GPU lost (NVML_ERROR_GPU_IS_LOST); " + OPERATOR_ACTIONS["reboot"])
+        return self.verdict()
+
+    def _raise_if_fatal(self, exc: BaseException) -> None:
+        if self._is(exc, _LOST, _RESET_REQUIRED):
+            raise _Fatal(exc) from exc
 
     def _log_transitions(self, before: GpuReading, after: GpuReading) -> None:
         if after.thermal_slowdown and not before.thermal_slowdown:
@@ -350,6 +390,12 @@ class GpuMonitor:
             log.info("gpu.thermal_slowdown_cleared", temperature_c=after.temperature_c)
         for name in set(after.warnings) - set(before.warnings) - {"thermal_slowdown"}:
             log.warning("gpu.reset_pending", condition=name, uuid=self._uuid)
+
+    @property
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        """What an NVML call raises: NVMLError, and the version mismatch that is not one."""
+        mismatch = getattr(self._nvml, _MISMATCH, None)
+        return (self._nvml.NVMLError, *([mismatch] if isinstance(mismatch, type) else []))
 
     def _can_query(self) -> bool:
         return self._status in ("ok", "unhealthy") and self._handle is not None

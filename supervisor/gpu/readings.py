@@ -1,4 +1,4 @@
-"""What one NVML poll found, and the verdict the manager acts on: Xid classes, slowdowns."""
+"""What one NVML poll found, and the verdict the manager acts on (Xids: supervisor/gpu/xids.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,6 @@ from typing import Literal
 Action = Literal["none", "restart_worker", "fail"]
 Status = Literal["disabled", "unavailable", "ok", "unhealthy", "lost"]
 
-# As the NVIDIA k8s device plugin: these Xids mean the application faulted and the GPU is
-# still healthy, so restarting the worker is the cure. Any other critical Xid: GPU unhealthy.
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-
-# fmt: off
-XID_NAMES = {
-    13: "graphics engine exception", 31: "GPU memory page fault", 43: "GPU stopped processing",
-    45: "preemptive cleanup after previous errors", 48: "double-bit ECC error",
-    63: "row remapping event", 64: "row remapping failure", 68: "video processor exception",
-    74: "NVLink error", 79: "GPU has fallen off the bus", 94: "contained ECC error",
-    95: "uncontained ECC error", 109: "context switch timeout", 119: "GSP RPC timeout",
-    120: "GSP error",
-}
-# fmt: on
-
 # Clock-event reason bits (NVML ABI, the same under the older "ClocksThrottleReason" names).
 _SLOWDOWN_NAMES = {
     0x04: "sw_power_cap", 0x08: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
@@ -30,14 +15,6 @@ _SLOWDOWN_NAMES = {
 }  # fmt: skip
 _THERMAL_BITS = 0x20 | 0x40
 _POWER_BITS = 0x04 | 0x80
-
-def classify_xid(xid: int) -> Action:
-    """restart_worker for an application Xid, fail for any other critical Xid."""
-    return "restart_worker" if xid in APPLICATION_XIDS else "fail"
-
-
-def describe_xid(xid: int) -> str:
-    return f"xid {xid} ({XID_NAMES.get(xid, 'unknown')})"
 
 
 @dataclass(frozen=True)
@@ -60,6 +37,7 @@ class GpuReading:
     ecc_uncorrected_volatile: int | None = None
     retired_pages_pending: bool | None = None
     row_remap_pending: bool | None = None
+    row_remap_failed: bool | None = None
     xids: tuple[int, ...] = ()
     verdict: GpuVerdict = field(default_factory=GpuVerdict)
 

@@ -4,6 +4,7 @@ A new health signal is one module here with a class that has `name`, `reset()` a
 `async check(worker) -> ExitCause | None`, plus one line where supervisor/serve.py builds
 the list. A monitor keeps its own cadence: check() is called on every turn of the manager's
 loop (about once a second) and returns at once when it is not yet due.
+A monitor with `watches_boot = True` is asked during a boot too, between readiness probes.
 """
 
 from __future__ import annotations

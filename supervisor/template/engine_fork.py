@@ -1,16 +1,20 @@
-"""EngineCore by fork on the CPU, where that is safe: the policy the worker template installs.
+"""EngineCore by fork where that is safe: the policy the worker template installs.
 
 Loaded by path by supervisor/template/engine_side.py (the engine venv's `supervisor` distribution
 shadows this package there), so it imports nothing from the repository.
 
-vLLM's CPU platform forces the "spawn" start method, to protect OpenMP thread pools: a fork
-copies a pool's state but not its threads. Spawn costs EngineCore (and any executor worker) a
-fresh interpreter and vLLM's imports again, ~13 s each here. The policy wraps vLLM's
-get_mp_context: on the CPU platform, when vLLM says spawn, it forks instead if, at that moment,
-the forking process runs no thread but its own and libzmq's background threads (which the child
-never uses), so no OpenMP or BLAS pool exists yet; otherwise vLLM's choice stands and stderr
-says why. Elsewhere (CUDA) vLLM's own choice always stands: it forks there already, unless CUDA
-is initialised.
+vLLM spawns EngineCore (and any executor worker) on every platform when started as the API
+server: its CPU platform forces "spawn" to protect OpenMP thread pools (a fork copies a pool's
+state but not its threads), and on a GPU the server's entry point calls vLLM's cli_env_setup(),
+which sets VLLM_WORKER_MULTIPROC_METHOD=spawn unless it is set (read in vLLM 0.32's source).
+Spawn costs a fresh interpreter and vLLM's imports again, ~13 s each on the CPU here. The policy
+wraps vLLM's get_mp_context: when vLLM says spawn, it forks instead if, at that moment, none of
+the reasons vLLM itself has for spawn holds (CUDA initialised in the forking process, WSL,
+--numa-bind) and the process runs no thread but its own and libzmq's background threads (which
+the child never uses), so no OpenMP or BLAS pool exists yet; otherwise vLLM's choice stands and
+stderr says why. On a GPU the API server process never initialises CUDA (the template proves it
+holds no CUDA context, and the check here is repeated at the fork): the forked EngineCore is
+the first to.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import importlib
 import multiprocessing
 import os
+import platform
 import socket
 import stat
 import sys
@@ -52,8 +57,8 @@ def install_engine_core_fork_policy() -> None:
 def engine_mp_context(vllm_choice: Callable[[], Any]) -> Callable[[], Any]:
     def get_mp_context() -> Any:
         context = vllm_choice()
-        if context.get_start_method() != "spawn" or not cpu_platform():
-            return context  # vLLM's own choice: fork where it allows it (CUDA), or a reason
+        if context.get_start_method() != "spawn":
+            return context  # vLLM's own choice: fork already
         unsafe = fork_unsafe_reasons()
         if unsafe:
             print(LOG_PREFIX, "start_method=spawn reasons=" + "; ".join(unsafe), file=sys.stderr)
@@ -111,16 +116,14 @@ def is_listening_socket(fd: int) -> bool:
             return False
 
 
-def cpu_platform() -> bool:
-    return bool(importlib.import_module(contract.PLATFORMS_MODULE).current_platform.is_cpu())
-
-
 def fork_unsafe_reasons() -> list[str]:
     reasons = []
     if contract.Flag.NUMA_BIND in sys.argv:
         reasons.append(f"{contract.Flag.NUMA_BIND} needs spawn")
     if cuda_initialized():
         reasons.append("CUDA is initialised")
+    if "microsoft" in platform.uname().release.lower():
+        reasons.append("WSL: NVML does not survive a fork there")
     foreign = foreign_threads()
     if foreign:
         reasons.append(f"{len(foreign)} thread(s) besides the main one and libzmq's: {foreign}")

@@ -19,8 +19,15 @@ exactly as `python -m` would; its exit is the interpreter's ordinary exit. End o
 channel (the supervisor is gone, or let this template go) ends the template, and kills the
 process groups of the workers it still has: none may run unsupervised.
 
-With --engine-core-fork, EngineCore is forked on the CPU where that is safe: see engine_fork.py,
-loaded by path from this directory.
+With --engine-core-fork, EngineCore is forked where that is safe: see engine_fork.py, loaded by
+path from this directory.
+
+"Holds no GPU" means no CUDA context: torch.cuda.is_initialized() is false and no /dev/nvidia-uvm*
+file is open (the CUDA driver opens UVM when it initialises; NVML never does). NVML alone may
+be open (/dev/nvidiactl, /dev/nvidiaN): torch asks NVML for the device count and never shuts it
+down, and `import vllm` can make it ask. An NVML handle carries no GPU state a fork could
+break, so it is reported (`nvml_files`), not refused. Read from the torch 2.13 and vLLM 0.32
+sources; python -m supervisor.gpu.smoke checks it on a GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ engine_fork = load_by_path("engine_fork", "engine_fork.py")
 
 MAX_MESSAGE_BYTES = 1 << 20
 START_FDS = 2  # the worker's stdout and stderr
+CUDA_DEVICE_FILES = ("/dev/nvidia-uvm",)  # opened by the CUDA driver (cuInit), never by NVML
 
 
 @dataclass
@@ -86,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm", action="append", default=[],
                         help="module to import once if it can be (vLLM versions differ)")
     parser.add_argument("--engine-core-fork", action="store_true",
-                        help="fork vLLM's EngineCore on the CPU where that is safe")
+                        help="fork vLLM's EngineCore where that is safe")
     return parser.parse_args(argv)
 
 
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     control = socket.socket(fileno=args.control_fd)
     began = time.monotonic()
+    before = dict(os.environ)
     try:
         for name in args.preload:
             importlib.import_module(name)
@@ -104,19 +113,45 @@ def main(argv: list[str] | None = None) -> int:
         send(control, {"event": "failed", "error": f"preload: {type(exc).__name__}: {exc}"})
         return 1
     gpu_files = open_files("/dev/nvidia")
-    if engine_fork.cuda_initialized() or gpu_files:
+    cuda_files = cuda_context_files(gpu_files)
+    if engine_fork.cuda_initialized() or cuda_files:
         send(control, {"event": "failed",
-                       "error": f"the preloads touched the GPU (CUDA context, open {gpu_files})"})
+                       "error": f"the preloads initialised CUDA (open {cuda_files or gpu_files})"})
         return 1
+    import_env = changed_environment(before, dict(os.environ))
     # What the preloads built lives as long as any worker: keep the collector off it, so a
     # worker's gc.collect() neither walks it (seconds, for vLLM) nor copies its pages on write.
     gc.collect()
     gc.freeze()
-    send(control, ready_facts(args.preload, skipped, time.monotonic() - began))
+    facts = ready_facts(args.preload, skipped, time.monotonic() - began)
+    send(control, facts | {"nvml_files": gpu_files, "import_env": sorted(import_env)})
     start = serve(control)
     if start is None:
         return 0
+    start.env = worker_environment(start.env, before, import_env)
     return run_child(start)
+
+
+def changed_environment(before: dict[str, str], after: dict[str, str]) -> dict[str, str | None]:
+    """What the preloads did to os.environ (`import vllm` sets a few): name → value, None when
+    they removed it."""
+    changed: dict[str, str | None] = {k: v for k, v in after.items() if before.get(k) != v}
+    return changed | {key: None for key in before.keys() - after.keys()}
+
+
+def worker_environment(sent: dict[str, str], before: dict[str, str],
+                       import_env: dict[str, str | None]) -> dict[str, str]:
+    """The environment a spawned worker would have once it had imported the preloads: the one
+    sent, with what the imports changed, where the sent value is the one they changed."""
+    env = dict(sent)
+    for key, value in import_env.items():
+        if sent.get(key) != before.get(key):
+            continue  # the supervisor set it otherwise since the template started: its value
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
 
 
 def warm(names: list[str]) -> list[str]:
@@ -140,6 +175,11 @@ def ready_facts(preloaded: list[str], skipped: list[str], import_s: float) -> di
         "threads": len(engine_fork.thread_names()), "cuda_initialized": False,
         "vllm_version": getattr(vllm, "__version__", None),
     }
+
+
+def cuda_context_files(gpu_files: list[str]) -> list[str]:
+    """The device files among `gpu_files` that only a CUDA context opens; NVML's are not."""
+    return [path for path in gpu_files if path.startswith(CUDA_DEVICE_FILES)]
 
 
 def open_files(prefix: str) -> list[str]:

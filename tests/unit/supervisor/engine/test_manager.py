@@ -383,12 +383,22 @@ class FakeGpu:
         self.action: str = "none"
         self.cause = ""
         self.releases = True
+        self.unfit: str | None = None  # what settle() finds once a worker is gone
         self.waited_for: list[set[int]] = []
+        self.log: list[str] = []  # new_worker, check, settle, in the order the manager called
+
+    def new_worker(self) -> None:
+        self.log.append("new_worker")
+
+    async def settle(self) -> str | None:
+        self.log.append("settle")
+        return self.unfit
 
     def summary(self) -> dict[str, object]:
         return {"status": "ok", "health": self.action}
 
     async def check(self) -> tuple[str, str]:
+        self.log.append("check")
         action, self.action = self.action, "none" if self.action == "restart_worker" else self.action
         return action, self.cause
 
@@ -488,6 +498,21 @@ async def test_a_hang_is_recorded_with_its_requests_its_live_processes_and_its_r
     await task
 
 
+async def test_a_gpu_fault_during_boot_is_known_at_once_not_at_the_startup_timeout() -> None:
+    never_boots = FakeLauncher(lambda pid: FakeWorker(pid, boots=False))
+    clock, launcher, gpu = FakeClock(), never_boots, FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.STARTING)
+    gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception): worker fault"
+    await until(lambda: len(launcher.workers) == 2)
+    first = manager.snapshot()["recent_exits"][-1]
+    assert (first["phase"], first["reason"]) == ("boot", "gpu_app_error")
+    assert clock.now - 1000.0 < Settings().supervisor.startup_timeout_s
+    manager.request_stop()
+    await task
+
+
 def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() -> None:
     """An empty Waiting is falsy (it has a length): the one given is kept all the same."""
     waiting = Waiting()
@@ -495,3 +520,31 @@ def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() ->
     manager = EngineManager(settings, FakeLauncher(), FakeProber(FakeLauncher()), [],
                             waiting=waiting)  # type: ignore[arg-type]
     assert manager.waiting is waiting
+
+
+async def test_an_ended_workers_last_xids_are_drained_before_the_next_worker_is_judged() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+    second_life = gpu.log[gpu.log.index("settle"):]
+    assert second_life[:2] == ["settle", "new_worker"], "drained, then the new worker is watched"
+    manager.request_stop()
+    await task
+
+
+async def test_a_gpu_that_needs_a_reset_after_a_worker_ended_fails_naming_the_action() -> None:
+    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
+    manager = make_gpu_manager(launcher, clock, gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    gpu.unfit = "xid 48 (double-bit ECC error): GPU unhealthy; stop chat-appliance, reset the GPU"
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.state is EngineState.FAILED)
+    assert len(launcher.workers) == 1
+    last = manager.snapshot()["last_exit"]
+    assert last["reason"] == "gpu_fatal" and "reset the GPU" in last["detail"]
+    manager.request_stop()
+    await task

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from appliance.settings import Settings
-from supervisor.engine.worker import build_command
+from supervisor.engine.worker import build_command, build_env
 from supervisor.serve import worker_settings
 
 FLAG = ["--scheduling-policy", "priority"]
@@ -31,3 +33,20 @@ def test_a_client_with_a_priority_turns_the_priority_scheduler_on() -> None:
 def test_the_setting_decides_over_auto() -> None:
     assert contains(argv(priority_scheduling="on"), FLAG)
     assert not contains(argv(priority_scheduling="off", default_priority=4), FLAG)
+
+
+def test_on_a_gpu_the_worker_gets_the_watched_gpu_by_uuid_in_nvmls_order() -> None:
+    """NVML numbers GPUs by PCI bus, CUDA fastest first: an index alone could differ."""
+    settings = Settings(engine={"device": "cuda"}, gpu={"device": "1"})
+    env = build_env(worker_settings(settings, "GPU-abc"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-abc"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    unwatched = build_env(worker_settings(settings, None))  # the monitor found no GPU
+    assert unwatched["CUDA_VISIBLE_DEVICES"] == "1"
+    mine = Settings(engine={"device": "cuda", "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})
+    assert build_env(worker_settings(mine, "GPU-abc"))["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_on_the_cpu_no_cuda_device_is_chosen() -> None:
+    env = build_env(worker_settings(Settings(engine={"device": "cpu"}), None))
+    assert env.get("CUDA_DEVICE_ORDER") == os.environ.get("CUDA_DEVICE_ORDER")  # untouched

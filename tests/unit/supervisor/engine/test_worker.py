@@ -124,6 +124,21 @@ def test_the_cache_root_outlives_the_worker_and_the_startup_plan_is_kept_on_a_gp
     assert override["VLLM_ENABLE_STARTUP_PLAN"] == "0"  # engine.env has the last word
 
 
+def test_tritons_cache_is_under_the_cache_root_too(tmp_path: Path) -> None:
+    """vLLM moves Triton's cache under its root only once it compiles a graph; its own Triton
+    kernels would go to ~/.triton, outside engine.cache_dir and the unit's ReadWritePaths."""
+    env = build_env(EngineSettings(device="cuda", cache_dir=tmp_path / "mine"))
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "mine" / "triton")
+
+
+def test_usage_statistics_stay_on_the_lan_unless_the_operator_says_otherwise() -> None:
+    env = build_env(EngineSettings(device="cpu"))
+    assert (env["VLLM_NO_USAGE_STATS"], env["DO_NOT_TRACK"]) == ("1", "1")
+    allowed = build_env(EngineSettings(device="cpu", env={"VLLM_NO_USAGE_STATS": "0",
+                                                          "DO_NOT_TRACK": "0"}))
+    assert (allowed["VLLM_NO_USAGE_STATS"], allowed["DO_NOT_TRACK"]) == ("0", "0")
+
+
 def test_an_unwritable_cache_root_is_a_warning_that_names_it(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     with structlog.testing.capture_logs() as logs:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pynvml as real_nvml
@@ -14,222 +13,23 @@ from structlog.testing import capture_logs
 
 from appliance.settings import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
-from supervisor.gpu.readings import APPLICATION_XIDS, GpuReading, classify_xid
-
-UUID = "GPU-5a3c1f4e-0000-1111-2222-333344445555"
-GIB = 1024**3
-XID_EVENT = real_nvml.nvmlEventTypeXidCriticalError
-
-
-# The NVMLError hierarchy, named as nvidia-ml-py names it (NVML_ERROR_GPU_IS_LOST → GpuIsLost).
-class NVMLError(Exception):
-    value = 999
-
-
-class NVMLError_GpuIsLost(NVMLError):
-    value = real_nvml.NVML_ERROR_GPU_IS_LOST
-
-
-class NVMLError_NotSupported(NVMLError):
-    value = real_nvml.NVML_ERROR_NOT_SUPPORTED
-
-
-class NVMLError_LibraryNotFound(NVMLError):
-    value = real_nvml.NVML_ERROR_LIBRARY_NOT_FOUND
-
-
-class NVMLError_DriverNotLoaded(NVMLError):
-    value = real_nvml.NVML_ERROR_DRIVER_NOT_LOADED
-
-
-class NVMLError_Timeout(NVMLError):
-    value = real_nvml.NVML_ERROR_TIMEOUT
-
-
-class NVMLError_NotFound(NVMLError):
-    value = real_nvml.NVML_ERROR_NOT_FOUND
-
-
-class NVMLError_FunctionNotFound(NVMLError):
-    value = real_nvml.NVML_ERROR_FUNCTION_NOT_FOUND
-
-
-class NVMLError_NoPermission(NVMLError):
-    value = real_nvml.NVML_ERROR_NO_PERMISSION
-
-
-class NVMLError_InvalidArgument(NVMLError):
-    value = real_nvml.NVML_ERROR_INVALID_ARGUMENT
-
-
-class NVMLError_Unknown(NVMLError):
-    value = real_nvml.NVML_ERROR_UNKNOWN
-
-
-ERRORS = [
+from supervisor.gpu.readings import GpuReading
+from tests.unit.supervisor.gpu.fake_nvml import (
+    DEVICE_FUNCTIONS,
+    ERRORS,
+    GIB,
+    UUID,
+    FakeGpu,
     NVMLError,
-    NVMLError_GpuIsLost,
-    NVMLError_NotSupported,
-    NVMLError_LibraryNotFound,
     NVMLError_DriverNotLoaded,
-    NVMLError_Timeout,
-    NVMLError_NotFound,
     NVMLError_FunctionNotFound,
+    NVMLError_GpuIsLost,
+    NVMLError_LibraryNotFound,
     NVMLError_NoPermission,
-    NVMLError_InvalidArgument,
+    NVMLError_NotSupported,
+    NVMLError_ResetRequired,
     NVMLError_Unknown,
-]
-DEVICE_FUNCTIONS = [
-    "nvmlDeviceGetName",
-    "nvmlDeviceGetUUID",
-    "nvmlDeviceGetMemoryInfo",
-    "nvmlDeviceGetUtilizationRates",
-    "nvmlDeviceGetTemperature",
-    "nvmlDeviceGetCurrentClocksEventReasons",
-    "nvmlDeviceGetTotalEccErrors",
-    "nvmlDeviceGetRetiredPagesPendingStatus",
-    "nvmlDeviceGetRemappedRows",
-    "nvmlDeviceGetComputeRunningProcesses",
-    "nvmlDeviceGetGraphicsRunningProcesses",
-    "nvmlDeviceRegisterEvents",
-    "nvmlEventSetWait",
-]
-
-
-class FakeGpu:
-    """One GPU behind a fake NVML; `module()` is what the monitor sees as `pynvml`."""
-
-    def __init__(self) -> None:
-        self.init_error: type[NVMLError] | None = None
-        self.lost = False  # every device call then raises GpuIsLost
-        self.fail: dict[str, type[NVMLError]] = {}  # function name → error it raises
-        self.calls: list[str] = []
-        self.clock_reasons = 0
-        self.events: list[Any] = []
-        self.remapped_rows = (0, 0, 0, 0)
-        self.retired_pending = 0
-        self.process_pids: list[list[int]] = [[]]  # one list per call; the last one repeats
-        self.shut_down = False
-        self.event_set_freed = False
-
-    def module(self, *, drop: tuple[str, ...] = ()) -> ModuleType:
-        module = ModuleType("pynvml")
-        for error in ERRORS:
-            setattr(module, error.__name__, error)
-        module.nvmlEventTypeXidCriticalError = XID_EVENT  # type: ignore[attr-defined]
-        for name in dir(self):
-            if name.startswith("nvml") and name not in drop:
-                setattr(module, name, getattr(self, name))
-        return module
-
-    def _device_call(self, name: str) -> None:
-        self.calls.append(name)
-        if self.lost:
-            raise NVMLError_GpuIsLost()
-        if name in self.fail:
-            raise self.fail[name]()
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise self.init_error()
-
-    def nvmlShutdown(self) -> None:
-        self.shut_down = True
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        if index != 0:
-            raise NVMLError_InvalidArgument()
-        return "handle-0"
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
-        if uuid != UUID:
-            raise NVMLError_NotFound()
-        return "handle-0"
-
-    def nvmlDeviceGetName(self, handle: str) -> str:
-        self._device_call("nvmlDeviceGetName")
-        return "NVIDIA H200"
-
-    def nvmlDeviceGetUUID(self, handle: str) -> bytes:
-        self._device_call("nvmlDeviceGetUUID")
-        return UUID.encode()  # old nvidia-ml-py releases return bytes
-
-    def nvmlDeviceGetMemoryInfo(self, handle: str) -> Any:
-        self._device_call("nvmlDeviceGetMemoryInfo")
-        return SimpleNamespace(total=141 * GIB, used=20 * GIB, free=121 * GIB)
-
-    def nvmlDeviceGetUtilizationRates(self, handle: str) -> Any:
-        self._device_call("nvmlDeviceGetUtilizationRates")
-        return SimpleNamespace(gpu=87, memory=40)
-
-    def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
-        self._device_call("nvmlDeviceGetTemperature")
-        assert sensor == real_nvml.NVML_TEMPERATURE_GPU
-        return 71
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetCurrentClocksEventReasons")
-        return self.clock_reasons
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetCurrentClocksThrottleReasons")
-        return self.clock_reasons
-
-    def nvmlDeviceGetTotalEccErrors(self, handle: str, error_type: int, counter: int) -> int:
-        self._device_call("nvmlDeviceGetTotalEccErrors")
-        assert error_type == real_nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-        assert counter == real_nvml.NVML_VOLATILE_ECC
-        return 2
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetRetiredPagesPendingStatus")
-        return self.retired_pending
-
-    def nvmlDeviceGetRemappedRows(self, handle: str) -> tuple[int, int, int, int]:
-        self._device_call("nvmlDeviceGetRemappedRows")
-        return self.remapped_rows
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
-        self._device_call("nvmlDeviceGetComputeRunningProcesses")
-        pids = self.process_pids.pop(0) if len(self.process_pids) > 1 else self.process_pids[0]
-        return [SimpleNamespace(pid=pid, usedGpuMemory=GIB) for pid in pids]
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: str) -> list[Any]:
-        self._device_call("nvmlDeviceGetGraphicsRunningProcesses")
-        return []
-
-    def nvmlEventSetCreate(self) -> str:
-        return "event-set"
-
-    def nvmlDeviceRegisterEvents(self, handle: str, mask: int, event_set: str) -> None:
-        self._device_call("nvmlDeviceRegisterEvents")
-        assert mask == XID_EVENT
-
-    def nvmlEventSetWait(self, event_set: str, timeout_ms: int) -> Any:
-        self._device_call("nvmlEventSetWait")
-        assert timeout_ms == 0, "the drain must never block"
-        if not self.events:
-            raise NVMLError_Timeout()
-        return self.events.pop(0)
-
-    def nvmlEventSetFree(self, event_set: str) -> None:
-        self.event_set_freed = True
-
-    def xid(self, xid: int) -> None:
-        self.events.append(SimpleNamespace(eventType=XID_EVENT, eventData=xid))
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
+)
 
 
 @pytest.fixture
@@ -247,22 +47,10 @@ def test_fake_mirrors_the_real_pynvml_names() -> None:
     """A fake that drifted from nvidia-ml-py would let the monitor pass tests and fail on a GPU."""
     for error in ERRORS[1:]:
         assert issubclass(getattr(real_nvml, error.__name__), real_nvml.NVMLError)
-    for name in [*DEVICE_FUNCTIONS, "nvmlDeviceGetCurrentClocksThrottleReasons"]:
+    for name in [*DEVICE_FUNCTIONS, "nvmlDeviceGetCurrentClocksThrottleReasons",
+                 "nvmlDeviceGetComputeRunningProcesses_v2"]:
         assert callable(getattr(real_nvml, name))
-
-
-@pytest.mark.parametrize("xid", sorted(APPLICATION_XIDS))
-def test_application_xids_restart_the_worker(xid: int) -> None:
-    assert classify_xid(xid) == "restart_worker"
-
-
-@pytest.mark.parametrize("xid", [8, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120])
-def test_other_critical_xids_fail(xid: int) -> None:
-    assert classify_xid(xid) == "fail"
-
-
-def test_application_xid_list_matches_the_device_plugin() -> None:
-    assert {13, 31, 43, 45, 68, 109} == APPLICATION_XIDS
+    assert not issubclass(real_nvml.NVMLLibraryMismatchError, real_nvml.NVMLError)
 
 
 def test_open_finds_the_device_by_index(gpu: FakeGpu) -> None:
@@ -292,7 +80,7 @@ def test_poll_reads_telemetry(gpu: FakeGpu) -> None:
     assert reading.memory_used_bytes == 20 * GIB
     assert reading.memory_total_bytes == 141 * GIB
     assert reading.utilization_pct == 87
-    assert reading.temperature_c == 71
+    assert reading.temperature_c == 72  # nvmlDeviceGetTemperatureV, nvidia-ml-py 13's call
     assert reading.ecc_uncorrected_volatile == 2
     assert reading.retired_pages_pending is False
     assert reading.row_remap_pending is False
@@ -326,7 +114,7 @@ def test_critical_xid_79_fails_and_stays_failed(gpu: FakeGpu) -> None:
     assert monitor.gauges()["gpu_healthy"] == 0.0
     xid_log = next(e for e in logs if e["event"] == "gpu.xid")
     assert xid_log["xid"] == 79
-    assert xid_log["action"] == "fail"
+    assert xid_log["resolution"] == "reboot"
 
 
 def test_critical_xid_outranks_an_application_xid_in_the_same_poll(gpu: FakeGpu) -> None:
@@ -514,37 +302,13 @@ def test_gauges_carry_telemetry(gpu: FakeGpu) -> None:
     gauges = monitor.gauges()
     assert gauges["gpu_up"] == 1.0
     assert gauges["gpu_memory_used_bytes"] == 20 * GIB
-    assert gauges["gpu_temperature_celsius"] == 71.0
+    assert gauges["gpu_temperature_celsius"] == 72.0
     assert gauges["gpu_healthy"] == 1.0
 
 
 def test_pids_using_memory_lists_compute_processes(gpu: FakeGpu) -> None:
     gpu.process_pids = [[4242, 4243]]
     assert opened(gpu).pids_using_memory() == {4242, 4243}
-
-
-def test_wait_released_returns_once_the_pids_are_gone(gpu: FakeGpu) -> None:
-    gpu.process_pids = [[4242, 999], [4242, 999], [4242, 999], [999]]
-    monitor, clock = opened(gpu), FakeClock()
-    released = asyncio.run(
-        monitor.wait_released({4242}, 30.0, sleep=clock.sleep, clock=clock, interval_s=0.5)
-    )
-    assert released is True
-    assert clock.sleeps == [0.5, 0.5, 0.5]  # released on the fourth look; pid 999 is not ours
-
-
-def test_wait_released_times_out_when_never_released(gpu: FakeGpu) -> None:
-    gpu.process_pids = [[4242]]
-    monitor, clock = opened(gpu), FakeClock()
-    with capture_logs() as logs:
-        released = asyncio.run(
-            monitor.wait_released({4242}, 2.0, sleep=clock.sleep, clock=clock, interval_s=0.75)
-        )
-    assert released is False
-    assert clock.now == pytest.approx(102.0)
-    assert clock.sleeps == [0.75, 0.75, 0.5]  # the last sleep ends at the deadline
-    assert logs[-1]["event"] == "gpu.memory_not_released"
-    assert logs[-1]["pids"] == [4242]
 
 
 def test_close_frees_the_event_set_and_shuts_nvml_down(gpu: FakeGpu) -> None:
@@ -571,9 +335,6 @@ def test_nvml_absent_is_unavailable_logged_once_at_info(
     assert monitor.summary() == {"status": "unavailable"}
     assert monitor.gauges() == {"gpu_up": 0.0}
     assert monitor.pids_using_memory() == set()
-    clock = FakeClock()
-    assert asyncio.run(monitor.wait_released({1}, 5.0, sleep=clock.sleep, clock=clock))
-    assert clock.sleeps == []
     monitor.close()
 
 
@@ -606,5 +367,90 @@ def test_real_pynvml_without_a_gpu_is_unavailable_without_error() -> None:
     assert [e["log_level"] for e in logs] == ["info"]
     assert monitor.poll() == GpuReading()
     assert monitor.summary() == {"status": "unavailable"}
-    assert asyncio.run(monitor.wait_released({1234}, 1.0))
+    assert monitor.pids_using_memory() == set()
     monitor.close()
+
+
+def test_a_driver_without_the_newer_temperature_call_is_asked_the_older_one(gpu: FakeGpu) -> None:
+    gpu.fail["nvmlDeviceGetTemperatureV"] = NVMLError_FunctionNotFound
+    assert opened(gpu).poll().temperature_c == 71
+    assert "nvmlDeviceGetTemperature" in gpu.calls
+
+
+def test_a_library_mismatch_on_the_process_listing_falls_back_to_the_v2_call(gpu: FakeGpu) -> None:
+    """NVMLLibraryMismatchError is not an NVMLError: uncaught, it crashed the stop path."""
+    gpu.driver_has_v3 = False
+    gpu.process_pids = [[4242]]
+    assert opened(gpu).pids_using_memory() == {4242}
+    assert "nvmlDeviceGetComputeRunningProcesses_v2" in gpu.calls
+
+
+def test_a_refused_process_listing_is_none_not_an_empty_gpu(gpu: FakeGpu) -> None:
+    """MIG as a user other than root: NVML refuses the listing; 'nobody holds memory' would
+    make the release wait return at once."""
+    gpu.fail["nvmlDeviceGetComputeRunningProcesses"] = NVMLError_NoPermission
+    gpu.fail["nvmlDeviceGetComputeRunningProcesses_v2"] = NVMLError_NoPermission
+    monitor = opened(gpu)
+    assert monitor.pids_using_memory() is None
+    assert monitor.memory_used_bytes() == 20 * GIB
+
+
+def test_gpu_requires_reset_fails_naming_the_reset(gpu: FakeGpu) -> None:
+    monitor = opened(gpu)
+    gpu.fail["nvmlDeviceGetUtilizationRates"] = NVMLError_ResetRequired
+    verdict = monitor.poll().verdict
+    assert verdict.action == "fail"
+    assert "nvidia-smi -r -i " + UUID in verdict.cause
+    assert monitor.status == "unhealthy"
+    assert monitor.verdict() == verdict
+
+
+def test_a_row_remap_failure_fails_naming_the_reset(gpu: FakeGpu) -> None:
+    monitor = opened(gpu)
+    gpu.remapped_rows = (3, 1, 0, 1)  # (corrected, uncorrected, pending, failed)
+    reading = monitor.poll()
+    assert reading.row_remap_failed is True
+    assert reading.verdict.action == "fail"
+    assert "row remapping failed" in reading.verdict.cause and "reset the GPU" in reading.verdict.cause
+
+
+@pytest.mark.parametrize(("xid", "action"), [
+    (8, "restart_worker"), (94, "restart_worker"), (13, "restart_worker"),
+    (63, "none"), (92, "none"), (45, "none"),
+    (48, "fail"), (74, "fail"), (79, "fail"), (119, "fail"),
+])
+def test_each_xid_is_acted_on_by_its_catalog_class(gpu: FakeGpu, xid: int, action: str) -> None:
+    monitor = opened(gpu)
+    gpu.xid(xid)
+    with capture_logs() as logs:
+        verdict = monitor.poll().verdict
+    assert verdict.action == action
+    assert [e["xid"] for e in logs if e["event"] == "gpu.xid"] == [xid]
+    assert monitor.summary()["last_xid"] == xid
+    if action == "fail":
+        assert ("reboot the machine" if xid == 79 else "nvidia-smi -r") in verdict.cause
+
+
+def test_a_restart_verdict_is_given_once_and_is_not_sticky(gpu: FakeGpu) -> None:
+    monitor = opened(gpu)
+    gpu.xid(13)
+    assert monitor.poll().verdict.action == "restart_worker"
+    assert monitor.verdict().action == "none"  # asked between polls: the fault was reported
+
+
+def test_settle_drains_an_ended_workers_xids_without_asking_again(gpu: FakeGpu) -> None:
+    monitor = opened(gpu)
+    gpu.xid(13)  # the worker's last fault, still queued as it died
+    with capture_logs() as logs:
+        assert monitor.settle().action == "none"
+    assert [e["worker"] for e in logs if e["event"] == "gpu.xid"] == ["ended"]
+    assert monitor.poll().verdict.action == "none"  # the next worker is not blamed for it
+    gpu.xid(48)
+    assert monitor.settle().action == "fail"  # a GPU that needs a reset stays failed
+
+
+def test_a_compute_gpu_without_a_graphics_listing_still_lists_its_processes(gpu: FakeGpu) -> None:
+    gpu.fail["nvmlDeviceGetGraphicsRunningProcesses"] = NVMLError_NotSupported
+    gpu.fail["nvmlDeviceGetGraphicsRunningProcesses_v2"] = NVMLError_NotSupported
+    gpu.process_pids = [[4242]]
+    assert opened(gpu).pids_using_memory() == {4242}

@@ -17,15 +17,8 @@ FAKE_VLLM = {
     "vllm/utils/__init__.py": "",
     "vllm/utils/system_utils.py": """
         import multiprocessing
-        def get_mp_context():  # vLLM on the CPU: spawn, forced by the platform
+        def get_mp_context():  # vLLM's API server: spawn, by its platform (CPU) or cli_env_setup
             return multiprocessing.get_context("spawn")
-    """,
-    "vllm/platforms/__init__.py": """
-        import os
-        class _Platform:
-            def is_cpu(self):
-                return os.environ.get("FAKE_DEVICE", "cpu") == "cpu"
-        current_platform = _Platform()
     """,
     "vllm/v1/__init__.py": "",
     "vllm/v1/engine/__init__.py": "",
@@ -34,7 +27,9 @@ FAKE_VLLM = {
 }
 
 PROBE = """
-import ctypes, json, socket, sys, threading
+import ctypes, json, os, socket, sys, threading, types
+if os.environ.get("FAKE_CUDA_INITIALISED"):  # the API server process would hold a CUDA context
+    sys.modules["torch"] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
 from supervisor.template import engine_fork
 import vllm.v1.engine.utils as launcher_module
 engine_fork.install_engine_core_fork_policy()
@@ -72,12 +67,12 @@ print(json.dumps(seen))
 """
 
 
-def probe(tmp_path: Path, device: str) -> dict[str, str]:
+def probe(tmp_path: Path, **env_vars: str) -> dict[str, str]:
     for name, text in FAKE_VLLM.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}", "FAKE_DEVICE": device}
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}", **env_vars}
     result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
                             text=True, timeout=60, check=True)
     seen: dict[str, str] = json.loads(result.stdout)
@@ -85,9 +80,8 @@ def probe(tmp_path: Path, device: str) -> dict[str, str]:
     return seen
 
 
-def test_engine_core_is_forked_on_the_cpu_only_while_no_foreign_thread_runs(
-        tmp_path: Path) -> None:
-    seen = probe(tmp_path, "cpu")
+def test_engine_core_is_forked_only_while_no_foreign_thread_runs(tmp_path: Path) -> None:
+    seen = probe(tmp_path)
     assert seen["alone"] == "fork"
     assert seen["imported_later"] == "fork", "modules imported after the install see it too"
     assert seen["with_zmq"] == "fork", "libzmq's background threads are fork-safe"
@@ -97,13 +91,16 @@ def test_engine_core_is_forked_on_the_cpu_only_while_no_foreign_thread_runs(
 
 def test_a_forked_engine_core_lets_go_of_the_api_servers_port(tmp_path: Path) -> None:
     """As a spawned one: once the server dies, its port refuses connections at once."""
-    seen = probe(tmp_path, "cpu")
+    seen = probe(tmp_path)
     assert seen["engine_core_holds_the_port"] == "0"
     assert seen["server_holds_the_port"] == "True"
 
 
-def test_elsewhere_vllm_keeps_its_own_start_method(tmp_path: Path) -> None:
-    """On a GPU vLLM already forks where CUDA allows; the policy never overrides it."""
-    seen = probe(tmp_path, "cuda")
+def test_on_a_gpu_engine_core_is_forked_too_unless_cuda_is_initialised(tmp_path: Path) -> None:
+    """On a GPU vLLM's API server says spawn (cli_env_setup sets VLLM_WORKER_MULTIPROC_METHOD),
+    for no reason of the GPU's: the fork is safe while the forking process has no CUDA
+    context, which is vLLM's own condition."""
+    assert probe(tmp_path)["alone"] == "fork"  # the policy no longer asks for the CPU platform
+    seen = probe(tmp_path, FAKE_CUDA_INITIALISED="1")
     assert {seen[key] for key in ("alone", "imported_later", "with_zmq", "with_a_pool")} == {"spawn"}
-
+    assert "start_method=spawn reasons=CUDA is initialised" in seen["stderr"]

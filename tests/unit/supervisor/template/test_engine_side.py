@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.template.engine_side import Start, open_files, validate
+from supervisor.template.engine_side import (
+    Start,
+    changed_environment,
+    cuda_context_files,
+    open_files,
+    validate,
+    worker_environment,
+)
 
 
 @pytest.mark.parametrize(("argv", "fds", "refusal"), [
@@ -40,3 +47,22 @@ def test_device_files_held_open_are_found(tmp_path: Path) -> None:
     assert open_files(str(tmp_path)) == []
     with held.open():
         assert open_files(str(tmp_path)) == [str(held)]
+
+
+def test_an_nvml_handle_is_not_a_cuda_context() -> None:
+    """torch's device count opens NVML (/dev/nvidiactl, /dev/nvidiaN) and never closes it; only
+    a CUDA context opens /dev/nvidia-uvm. The first must not make the template refuse."""
+    nvml_only = ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap1"]
+    assert cuda_context_files(nvml_only) == []
+    cuda = [*nvml_only, "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    assert cuda_context_files(cuda) == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def test_the_worker_gets_what_the_imports_set_unless_the_supervisor_set_it_since() -> None:
+    before = {"PATH": "/bin", "KEEP": "x", "GONE": "1", "MINE": "old"}
+    after = {"PATH": "/bin", "KEEP": "x", "NEW": "set", "MINE": "imported"}
+    changed = changed_environment(before, after)
+    assert changed == {"NEW": "set", "MINE": "imported", "GONE": None}
+    sent = {"PATH": "/bin", "KEEP": "x", "GONE": "1", "MINE": "operator"}
+    assert worker_environment(sent, before, changed) == {
+        "PATH": "/bin", "KEEP": "x", "NEW": "set", "MINE": "operator"}

@@ -25,6 +25,7 @@ from supervisor.template.process import EXIT_REPORT_GRACE_S, EXIT_UNKNOWN, Forke
 pytestmark = pytest.mark.anyio
 
 TREE = [sys.executable, "-m", "tests.support.tree_worker"]
+REPO = str(Path(__file__).resolve().parents[4])  # where a template finds a stand-in preload
 
 
 def engine(*args: str, python: str = sys.executable, **env: str) -> EngineSettings:
@@ -64,6 +65,20 @@ async def first_report(logs: list[dict[str, Any]]) -> dict[str, Any]:
 async def stopped(worker: SessionWorker) -> None:
     await worker.stop(0.5)
     assert not session_members(worker.pid)
+
+
+async def test_a_forked_worker_keeps_what_the_preloads_set_in_the_environment(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """A spawned worker imports vLLM and so has what that import sets (TORCHINDUCTOR_COMPILE_
+    THREADS, TRITON_CACHE_AUTOTUNING, ...): a forked one must have it too."""
+    launcher = launchers(engine("--env", "CHAT_APPLIANCE_SET_ON_IMPORT", PYTHONPATH=REPO),
+                         preloads=["tests.support.sets_env_on_import"])
+    with capture_logs() as logs:
+        worker = await launcher.start()
+        report = await first_report(logs)
+    assert isinstance(worker, ForkedWorker)
+    assert report["env"] == "by-the-import"
+    await stopped(worker)
 
 
 async def test_forked_worker_runs_as_python_m_would_in_a_session_of_its_own(

@@ -1,0 +1,72 @@
+"""The GPU smoke check's logic with a fake NVML; on a box without a GPU, its real answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.gpu import smoke
+from tests.unit.supervisor.gpu.fake_nvml import (
+    UUID,
+    FakeGpu,
+    NVMLError_LibraryNotFound,
+    NVMLError_Unknown,
+)
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def test_the_monitor_is_opened_by_index_and_by_uuid_with_typed_readings() -> None:
+    gpu = FakeGpu()
+    report, monitor = smoke.check_nvml("0", gpu.module())
+    assert monitor is not None
+    assert report["ok"] is True
+    assert report["uuid"] == UUID and report["same_device_by_uuid"] is True
+    assert report["missing"] == []
+    assert report["types"]["temperature_c"] == "int"
+    assert report["reading"]["memory_total_bytes"] == 141 * 1024**3
+    monitor.close()
+
+
+def test_a_gpu_that_cannot_say_its_memory_fails_the_check() -> None:
+    gpu = FakeGpu()
+    gpu.fail["nvmlDeviceGetMemoryInfo"] = NVMLError_Unknown
+    report, monitor = smoke.check_nvml("0", gpu.module())
+    assert report["ok"] is False
+    assert "by_index.memory_used_bytes" in report["missing"]
+    assert monitor is not None
+    monitor.close()
+
+
+def test_no_gpu_is_said_as_such() -> None:
+    gpu = FakeGpu()
+    gpu.init_error = NVMLError_LibraryNotFound
+    report, monitor = smoke.check_nvml("0", gpu.module())
+    assert monitor is None
+    assert report == {"ok": False, "gpu": "none", "status": "unavailable"}
+
+
+def test_the_xid_drain_must_be_registered_and_return_at_once() -> None:
+    gpu = FakeGpu()
+    _, monitor = smoke.check_nvml("0", gpu.module())
+    assert monitor is not None
+    gpu.xid(13)
+    times = iter([10.0, 10.01])
+    report = smoke.check_xid_drain(monitor, clock=lambda: next(times))
+    assert report["ok"] is True and report["registered"] is True
+    slow = iter([10.0, 12.0])
+    assert smoke.check_xid_drain(monitor, clock=lambda: next(slow))["ok"] is False
+    monitor.close()
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this box has a GPU")
+def test_on_a_box_without_a_gpu_it_says_no_gpu_with_its_own_exit_status() -> None:
+    done = subprocess.run([sys.executable, "-m", "supervisor.gpu.smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == smoke.EXIT_NO_GPU == 3
+    assert json.loads(done.stdout)["result"].startswith("no GPU")
+    assert "no GPU" in done.stderr
