@@ -1,5 +1,5 @@
-"""The OpenAI Responses API: create (through the gate), retrieve and cancel (relayed as they
-are), every answer in the Responses protocol; a response id lost in a worker restart is told."""
+"""The OpenAI Responses API: create (through the gate), retrieve and cancel (relayed), every
+answer in the Responses protocol; a stored response is its own client's (ResponseIds)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from appliance.engine import require_ready
 from appliance.errors import BadRequest
 from appliance.gate.gate import Vetted
 from appliance.routes.generation import RouteDeps, generation, relay_for
+from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
 
 SHAPE = {"shape": RESPONSES_CREATE.shape}
@@ -29,14 +30,16 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
     relay = deps.relay
 
     def prepare(vetted: Vetted) -> None:
-        body = vetted.payload
-        if body.get("store") is not False:
-            ids.created(body["request_id"])
+        body, owner = vetted.payload, vetted.client.name
         previous = body.get("previous_response_id")
+        if isinstance(previous, str):
+            ids.reach(previous, owner, "previous_response_id")
+        ids.created(body["request_id"], owner, stored=body.get("store") is not False)
         vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
 
-    def stored(api: GenerationApi, response_id: str, method: str, query: str = "",
-               payload: dict[str, Any] | None = None) -> Vetted:
+    def stored(request: Request[Any, Any, Any], api: GenerationApi, response_id: str,
+               method: str, query: str = "", payload: dict[str, Any] | None = None) -> Vetted:
+        ids.reach(response_id, client_of(request).name, "response_id")
         path = api.path.replace("{id}", quote(response_id, safe=""))
         return Vetted(api, payload or {}, b"", method=method, path=path + query,
                       refine=lambda error: ids.explain(error, response_id, "response_id"))
@@ -48,14 +51,15 @@ def routes(deps: RouteDeps, ids: ResponseIds, background: bool) -> list[HTTPRout
         require_ready(relay.engine)
         query = _retrieve_query(stream, starting_after, background)
         payload = {"stream": stream, "request_id": response_id}
-        return relay_for(stored(RESPONSES_RETRIEVE, response_id, "GET", query, payload),
+        return relay_for(stored(request, RESPONSES_RETRIEVE, response_id, "GET", query, payload),
                          request, relay)
 
     @post("/v1/responses/{response_id:str}/cancel", name=RESPONSES_CANCEL.name, opt=SHAPE,
           status_code=200)
     async def cancel(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ASGIApp:
         require_ready(relay.engine)
-        return relay_for(stored(RESPONSES_CANCEL, response_id, "POST"), request, relay)
+        return relay_for(stored(request, RESPONSES_CANCEL, response_id, "POST"), request,
+                         relay)
 
     return [generation("/v1/responses", RESPONSES_CREATE, deps, prepare), retrieve, cancel]
 
