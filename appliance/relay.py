@@ -156,8 +156,10 @@ class Relay:
             headers["content-type"] = "application/json"
         if vetted.priority is not None:  # vLLM reads it on every generation route, over the body
             headers[PRIORITY_HEADER] = str(vetted.priority)
+        meter.sending(vetted.prompt_tokens)  # from here the engine's work is charged
         async with deps.upstream.exchange(vetted.method, vetted.target, body, headers) as reply:
             if reply.status >= 300:
+                meter.refused()
                 error = upstream_error(reply.status, await reply.read())
                 raise vetted.refine(error) if vetted.refine is not None else error
             if vetted.stream:

@@ -35,6 +35,8 @@ _ANTHROPIC_KEYS = ("model", "messages", "system", "tools", "tool_choice", "think
 # Tools and tool calls may be re-serialised by the template with indentation: allow 3x bytes.
 _REFORMATTED = ("tools", "documents")
 _SAFETY_TOKENS = 8
+# The APIs whose count is the whole prompt (a batch's is its longest prompt's).
+_ONE_PROMPT = ("messages", "responses", "anthropic")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Limits:
 class Fitted:
     clamp: Clamp | None
     counted: bool  # whether the prompt had to be counted exactly
+    prompt: int | None = None  # the exact count, where the request has one prompt
 
 
 class BudgetFitter:
@@ -74,7 +77,8 @@ class BudgetFitter:
             return Fitted(None, counted=False)  # the engine judges the request itself
         clamp = clamp_max_tokens(body, fields=api.budget_fields, prompt_tokens=count,
                                  max_model_len=limits.window, defaulted=defaulted)
-        return Fitted(clamp, counted=True)
+        single = api.prompt in _ONE_PROMPT or isinstance(body.get("prompt"), str)
+        return Fitted(clamp, counted=True, prompt=count if single else None)
 
     async def limits(self) -> Limits:
         pid = self._engine.pid

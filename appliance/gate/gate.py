@@ -50,6 +50,7 @@ class Vetted:
     client: Client = ANYONE
     usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
+    prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
 
     @property
     def stream(self) -> bool:
@@ -129,6 +130,7 @@ class Gate:
         """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""
         fitted = await self._budget.fit(vetted.api, vetted.payload, len(vetted.raw),
                                         defaulted=vetted.defaulted, multimodal=self._multimodal)
+        vetted.prompt_tokens = fitted.prompt
         if fitted.clamp is None:
             return
         clamp = fitted.clamp
