@@ -25,6 +25,7 @@ log = structlog.get_logger("appliance.metrics")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNROUTED = "other"  # the label for paths no route serves: bounded cardinality
+CLIENT_CLOSED = 499  # the status counted for a request its client left unanswered (nginx's)
 
 
 class RequestMetrics:
@@ -69,7 +70,8 @@ class RequestMetrics:
                 await app(scope, receive, send)
                 return
             started = time.perf_counter()
-            status = 500
+            # An app that returns without answering had nobody to answer: its client left.
+            status = CLIENT_CLOSED
 
             async def send_measured(message: Message) -> None:
                 nonlocal status
@@ -79,6 +81,9 @@ class RequestMetrics:
 
             try:
                 await app(scope, receive, send_measured)
+            except BaseException:
+                status = 500 if status == CLIENT_CLOSED else status
+                raise
             finally:
                 self._count(scope, status, time.perf_counter() - started)
 
