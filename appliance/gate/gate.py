@@ -23,6 +23,7 @@ from appliance.apis.api import GenerationApi
 from appliance.errors import ApiError, BadRequest
 from appliance.gate.budget import BudgetFitter
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
+from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
@@ -102,6 +103,7 @@ class Gate:
             policy.check_media(api.find_media(body), multimodal=self._multimodal,
                                max_images=rules.max_images, max_image_bytes=rules.max_image_bytes,
                                allowed_hosts=rules.allowed_media_hosts)
+        check_constraints(body, self._settings.constraints, allowed=client.output_constraints)
         changed = api.rules(body, self._settings) if api.rules is not None else False
         defaulted = bool(api.budget_fields) and apply_default_budget(
             body, api.budget_fields, rules.default_max_tokens)
