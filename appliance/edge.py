@@ -4,9 +4,12 @@ uvicorn (httptools) accepts headers of any size and count and keeps a connection
 nothing open forever. This protocol adds, per connection:
 - a cap on open connections: beyond it a new connection gets 503 and is closed at once;
 - a deadline for the request head (request line and headers), from the moment the connection
-  opens or the next request's first byte: a silent or slow-loris client is closed (408);
-  between requests, uvicorn's keep-alive timeout (server.idle_timeout_s) closes idle ones;
-- limits on the head's bytes and header count, checked as bytes arrive: 431 and close.
+  opens or the first byte after an answer: a silent or slow-loris client is closed (408), and
+  so is one that trickles bytes that begin no request (blank lines, the rest of a body the
+  route never read), which would otherwise stop uvicorn's keep-alive timer at every read;
+  between requests, that timer (server.idle_timeout_s) closes idle connections;
+- limits on the head's bytes and header count, checked as bytes arrive and as the parser
+  reports the request line and each header (a whole head may come in one read): 431, close.
 The request body is read by the route, within server.body_timeout_s.
 """
 
@@ -130,6 +133,7 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
             self._head_timer: asyncio.TimerHandle | None = None
             self._head_bytes = 0
             self._header_count = 0
+            self._parsed_bytes = 0  # request line and headers as the parser gave them
             self._in_head = True  # between requests or inside a request's head
             self._links: list[ClientLink] = []  # of requests whose answer is not complete
 
@@ -153,6 +157,8 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
+            if self._in_head and self._head_timer is None:
+                self._arm_head_timer()  # uvicorn's keep-alive timer stops at this read
             super().data_received(data)
             # Counted after parsing: a chunk that completed the head may carry body bytes too.
             # The parser holds at most the limit plus one read's worth of an unfinished head.
@@ -163,10 +169,14 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
                                  "head_too_large")
 
         def on_message_begin(self) -> None:
-            self._in_head, self._header_count = True, 0
-            if self._head_timer is None:  # the next request on a kept-alive connection
+            self._in_head, self._header_count, self._parsed_bytes = True, 0, 0
+            if self._head_timer is None:  # a pipelined request, in the read that ended one
                 self._arm_head_timer()
             super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_parsed(len(url))
+            super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._header_count += 1
@@ -174,7 +184,16 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[HttpTool
                 self._refuse(431, "too many headers (setting server.max_headers)",
                              "too_many_headers")
                 raise _Refused
+            self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
             super().on_header(name, value)
+
+        def _count_parsed(self, size: int) -> None:
+            """The head as parsed so far: bounded even when it all came in one read."""
+            self._parsed_bytes += size
+            if self._parsed_bytes > server.max_header_bytes:
+                self._refuse(431, "request head too large (setting server.max_header_bytes)",
+                             "head_too_large")
+                raise _Refused
 
         def send_400_response(self, msg: str) -> None:
             if not self.transport.is_closing():  # not after our own refusal stopped the parse
