@@ -185,8 +185,9 @@ def measure_grammar(grammar: str) -> Shape:
     /regex/ terminals, rule names), where a rule name weighs what its rule does: `root ::=
     word*` with `word ::= [a-z]+` nests as `([a-z]+)*`."""
     heads = list(_RULE.finditer(grammar))
-    bodies = {head.group(1): grammar[head.end():nxt.start() if nxt else len(grammar)]
-              for head, nxt in zip(heads, [*heads[1:], None], strict=True)}
+    ends = [head.start() for head in heads[1:]] + [len(grammar)]
+    bodies = {head.group(1): grammar[head.end():end]
+              for head, end in zip(heads, ends[:len(heads)], strict=True)}
     nesting: dict[str, int] = {}
     shape = Shape()
 

@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from appliance.errors import BadRequest
 from appliance.policy.constraints import (
@@ -227,3 +229,25 @@ def test_a_client_refused_constraints_gets_400_for_any_of_them(body: dict[str, A
     assert refused(body, allowed=False).code == "constraints_not_allowed"
     assert refused(body, ConstraintSettings(enabled=False)).code == "constraints_not_allowed"
     check_constraints({"messages": []}, ConstraintSettings(enabled=False), allowed=False)
+
+
+# --- any input: a 400 or a pass, never a crash -------------------------------------------------
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.sampled_from(["pattern", "anyOf", "enum", "maxLength",
+                                                       "grammar", "type", "properties", "x"]),
+                                      inner, max_size=4), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab()[]{}|*+?\\,0123456789:=\"'/ \n", max_size=60), JSON)
+def test_any_regex_grammar_or_schema_is_vetted_without_crashing(text: str, schema: Any) -> None:
+    for body in (regex(text), {"structured_outputs": {"grammar": text}},
+                 {"structured_outputs": {"json": schema}},
+                 {"structured_outputs": {"choice": schema}}, {"tools": schema,
+                                                              "tool_choice": "required"}):
+        try:
+            check_constraints(body, LIMITS)
+        except BadRequest as error:
+            assert error.param is not None
