@@ -31,7 +31,7 @@ from appliance.errors import (
     PayloadTooLarge,
     internal_error,
 )
-from appliance.fences.litestar import route_of
+from appliance.fences.litestar import client_left, route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import UNROUTED, RequestMetrics
@@ -130,6 +130,10 @@ def _as_api_error(exc: Exception) -> ApiError:
     """Our errors as they are; Litestar's own refusals in our vocabulary; anything else a bug."""
     if isinstance(exc, ApiError):
         return exc
+    if client_left(exc):  # a body cut short: nobody may be listening, but it is no bug of ours
+        return BadRequest("the request body ended before it was complete (its Content-Length, "
+                          "or a chunk that could not be read)", code="body_incomplete",
+                          reason="body_incomplete")
     if isinstance(exc, HTTPException):
         status = exc.status_code
         if status == 404:

@@ -4,9 +4,12 @@ uvicorn (httptools) accepts headers of any size and count and keeps a connection
 nothing open forever. This protocol adds, per connection:
 - a cap on open connections: beyond it a new connection gets 503 and is closed at once;
 - a deadline for the request head (request line and headers), from the moment the connection
-  opens or the next request's first byte: a silent or slow-loris client is closed (408);
-  between requests, uvicorn's keep-alive timeout (server.idle_timeout_s) closes idle ones;
-- limits on the head's bytes and header count, checked as bytes arrive: 431 and close.
+  opens or the first byte after an answer: a silent or slow-loris client is closed (408), and
+  so is one that trickles bytes that begin no request (blank lines, the rest of a body the
+  route never read), which would otherwise stop uvicorn's keep-alive timer at every read;
+  between requests, that timer (server.idle_timeout_s) closes idle connections;
+- limits on the head's bytes and header count, checked as bytes arrive and as the parser
+  reports the request line and each header (a whole head may come in one read): 431, close.
 The request body is read by the route, within server.body_timeout_s.
 """
 
@@ -44,6 +47,7 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
         _head_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
         _header_count = 0
+        _parsed_bytes = 0  # request line and headers as the parser gave them
         _in_head = True  # between requests or inside a request's head
 
         def opened(self) -> None:
@@ -67,16 +71,32 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
                     self._refuse(HeadersTooLarge("request head too large (setting "
                                                  "server.max_header_bytes)", code="head_too_large"))
 
+        def read_begins(self) -> None:
+            if self._in_head and self._head_timer is None:
+                self._arm_head_timer()  # uvicorn's keep-alive timer stops at this read
+
         def head_begins(self) -> None:
-            self._in_head, self._header_count = True, 0
-            if self._head_timer is None:  # the next request on a kept-alive connection
+            self._in_head, self._header_count, self._parsed_bytes = True, 0, 0
+            if self._head_timer is None:  # a pipelined request, in the read that ended one
                 self._arm_head_timer()
 
-        def header_seen(self) -> bool:
+        def url_seen(self, size: int) -> bool:
+            return self._count_parsed(size)
+
+        def header_seen(self, size: int) -> bool:
             self._header_count += 1
             if self._header_count > server.max_headers:
                 self._refuse(HeadersTooLarge("too many headers (setting server.max_headers)",
                                              code="too_many_headers"))
+                return False
+            return self._count_parsed(size)
+
+        def _count_parsed(self, size: int) -> bool:
+            """The head as parsed so far: bounded even when it all came in one read."""
+            self._parsed_bytes += size
+            if self._parsed_bytes > server.max_header_bytes:
+                self._refuse(HeadersTooLarge("request head too large (setting "
+                                             "server.max_header_bytes)", code="head_too_large"))
                 return False
             return True
 

@@ -31,6 +31,7 @@ UNROUTED = "other"  # the label for paths no route serves: bounded cardinality
 ARRIVED = "chat-appliance.arrived"  # the scope key of the request's arrival (perf_counter)
 UNNAMED = frozenset({ANONYMOUS, NO_CLIENT})  # labels that name nobody
 NAMED = "named"  # every named client, where /metrics shows no names
+CLIENT_CLOSED = 499  # the status counted for a request its client left unanswered (nginx's)
 
 
 class RequestMetrics:
@@ -76,7 +77,8 @@ class RequestMetrics:
                 await app(scope, receive, send)
                 return
             started = scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
-            status = 500
+            # An app that returns without answering had nobody to answer: its client left.
+            status = CLIENT_CLOSED
 
             async def send_measured(message: Message) -> None:
                 nonlocal status
@@ -86,6 +88,9 @@ class RequestMetrics:
 
             try:
                 await app(scope, receive, send_measured)
+            except BaseException:
+                status = 500 if status == CLIENT_CLOSED else status
+                raise
             finally:
                 self._count(scope, status, time.perf_counter() - started)
 

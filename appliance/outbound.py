@@ -53,6 +53,9 @@ class Outbound(Protocol):
     def priority(self) -> int | None: ...  # for the worker's scheduler; None: not sent
 
     @property
+    def prompt_tokens(self) -> int | None: ...  # counted exactly by the budget fit, for the meter
+
+    @property
     def usage_added(self) -> bool: ...  # the stream's usage event is the meter's: strip it
 
     @property
@@ -82,6 +85,7 @@ class PassThrough:
     priority: None = None
     usage_added: bool = False
     client_name: str = ""  # a pass-through is nobody's work: no slot, not metered
+    prompt_tokens: None = None
 
     @property
     def shape(self) -> ErrorShape:

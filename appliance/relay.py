@@ -158,8 +158,10 @@ class Relay:
             headers["content-type"] = "application/json"
         if outbound.priority is not None:  # vLLM reads it on every generation route
             headers[PRIORITY_HEADER] = str(outbound.priority)
+        meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
         async with deps.upstream.exchange(outbound.method, outbound.target, body, headers) as reply:
             if reply.status >= 300:
+                meter.refused()
                 error = upstream_error(reply.status, await reply.read())
                 raise outbound.refine(error) if outbound.refine is not None else error
             if outbound.stream:

@@ -219,6 +219,22 @@ class PolicySettings(_Group):
     max_tracked_responses: int = Field(10000, ge=1)
 
 
+class ConstraintSettings(_Group):
+    """How costly an output constraint (regex, grammar, JSON schema, choices) may be: the
+    engine checks it at every token, for as long as the request runs."""
+
+    enabled: bool = True
+    max_regex_chars: int = Field(1000, ge=1)
+    max_grammar_chars: int = Field(8192, ge=1)
+    max_quantifier_nesting: int = Field(1, ge=1)
+    max_group_nesting: int = Field(8, ge=1)
+    max_alternatives: int = Field(64, ge=1)
+    max_repeat: int = Field(1024, ge=1)
+    max_schema_bytes: int = Field(32768, ge=1)
+    max_schema_depth: int = Field(32, ge=1)
+    max_choices: int = Field(256, ge=1)
+
+
 PRIORITY_RANGE = 1_000_000  # vLLM takes any int64; a config beyond this is a typo
 
 
@@ -233,6 +249,7 @@ class ClientSettings(_Group):
     max_tokens: int | None = Field(None, ge=1)
     routes: list[str] | None = None
     priority: int | None = Field(None, ge=-PRIORITY_RANGE, le=PRIORITY_RANGE)
+    output_constraints: bool = True
 
     @model_validator(mode="after")
     def _one_key(self) -> ClientSettings:
@@ -358,6 +375,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    constraints: ConstraintSettings = Field(default_factory=ConstraintSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
     gpu: GpuSettings = Field(default_factory=GpuSettings)

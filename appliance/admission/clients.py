@@ -30,6 +30,7 @@ class Client:
     tokens_per_minute: int | None = None
     max_tokens: int | None = None
     routes: tuple[str, ...] | None = None  # path templates, a trailing * a prefix; None: all
+    output_constraints: bool = True  # may send regexes, grammars, schemas, choices
 
     def may_use(self, route: str) -> bool:
         if self.routes is None:
@@ -49,6 +50,7 @@ def _named(entry: ClientSettings, default_priority: int) -> Client:
         tokens_per_minute=entry.tokens_per_minute,
         max_tokens=entry.max_tokens,
         routes=None if entry.routes is None else tuple(entry.routes),
+        output_constraints=entry.output_constraints,
     )
 
 

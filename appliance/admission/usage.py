@@ -9,7 +9,14 @@ and the tap takes the usage event out again, so the client receives what it woul
 then moves `system_fingerprint` from each finished choice's event to the usage event, and the
 tap puts it back. The tap looks at a chunk with two substring searches; only a chunk holding
 the usage event (or, while it strips, a finished choice) is split into events and parsed.
-A stream that ends without usage (a disconnect, a lost engine) is charged an estimate.
+
+A request the engine worked on is charged whether or not its client waited for the answer.
+One that ends without a complete report (its client left, the engine was lost) is charged the
+least it is known to have cost: its prompt (the gate's exact count where it counted one, else
+an estimate from the body's bytes; the worker's own count where a stream reported it) plus the
+tokens generated until then (the stream's events, or the worker's running count). A
+non-streamed request left before its answer has no such count: vLLM reports nothing for an
+aborted request, so it is charged its prompt. A request the worker refused costs nothing.
 """
 
 from __future__ import annotations
@@ -69,15 +76,35 @@ class Meter:
         self.events = 0  # stream events seen, for the estimate
         self._prompt = self._completion = 0  # the largest reported so far
         self._prompt_estimate = prompt_bytes // _BYTES_PER_PROMPT_TOKEN
+        self._sent = False  # the engine has the request: from here on it costs
+        self._finished = False  # the answer came whole: its report, if any, is the total
+
+    def sending(self, prompt_tokens: int | None) -> None:
+        """The request goes to the engine now, with its prompt as the gate counted it (None:
+        not counted, the estimate from bytes stands)."""
+        self._sent = True
+        if prompt_tokens is not None:
+            self._prompt_estimate = prompt_tokens
+
+    def refused(self) -> None:
+        """The worker refused the request: the engine generated nothing for it."""
+        self._sent = False
 
     def tokens(self) -> int:
-        """Prompt + completion as reported; without a report, an estimate from the events the
-        client received (none: the engine refused it or the client left empty-handed)."""
-        if self.reported is not None:
+        """Prompt + completion as reported for a whole answer; for an answer cut short (or
+        without a report), the prompt and what was seen generated so far."""
+        if not self._sent:
+            return 0
+        if self._finished and self.reported is not None:
             return self.reported
-        return self._prompt_estimate + self.events if self.events else 0
+        return (self._prompt or self._prompt_estimate) + max(self._completion, self.events)
+
+    def ended(self) -> None:
+        """The answer came whole: a report in it is the request's total."""
+        self._finished = True
 
     def read_body(self, body: bytes) -> None:
+        self.ended()
         if self.enabled and b'"usage"' in body:
             self.take(_decode(body))
 
@@ -107,6 +134,7 @@ class _Tap:
         async for chunk in chunks:
             if out := self.feed(chunk):
                 yield out
+        self._meter.ended()
         if rest := self.finish():
             yield rest
 

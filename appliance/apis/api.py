@@ -69,6 +69,10 @@ class GenerationApi:
         """The prompt's exact length (the longest, for a batch); None if the worker cannot say."""
         return None
 
+    def one_prompt(self, body: Mapping[str, Any]) -> bool:
+        """Whether count_prompt's count is the whole request's prompt, to charge it by."""
+        return True
+
 
 class ConversationApi(GenerationApi):
     """An API whose body is one conversation under `messages`: bounded in messages."""

@@ -9,6 +9,9 @@ What it relies on (tests/unit/fences/test_litestar.py checks each against the in
 - Litestar's router puts the matched handler and its path template (without the parameters'
   types: `/v1/models/{model}`) in the ASGI scope as `route_handler` and `path_template`;
   `handler_of` and `route_of` read them.
+- A request body whose connection ends first (a body shorter than its Content-Length, a chunk
+  uvicorn could not parse, a hang-up) makes Litestar raise a 500, InternalServerException with
+  the detail "client disconnected prematurely"; `client_left` recognises it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from litestar.connection import ASGIConnection
+from litestar.exceptions import InternalServerException
 from litestar.handlers import HTTPRouteHandler
 from litestar.types import Scope
+
+_CLIENT_LEFT = "client disconnected prematurely"
 
 
 class Handler(HTTPRouteHandler):
@@ -38,3 +44,9 @@ def route_of(scope: Scope) -> str | None:
     """The matched route's path template (`/v1/models/{model}`), None if none matched."""
     template = scope.get("path_template")
     return template if isinstance(template, str) else None
+
+
+def client_left(exc: BaseException) -> bool:
+    """Whether Litestar raised `exc` because the client's connection ended before the request's
+    body did: the client's doing, not a fault of ours."""
+    return isinstance(exc, InternalServerException) and exc.detail == _CLIENT_LEFT

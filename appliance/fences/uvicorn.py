@@ -11,7 +11,7 @@ What it relies on (tests/unit/fences/test_uvicorn.py checks each against the ins
   and `Server.main_loop()` is the loop `serve()` waits in, calling `on_tick(counter)`, which
   refreshes the Date header at counter 0 and returns True once `should_exit`;
 - `HttpToolsProtocol` has `connections` (the server's set of open ones), `transport`, `loop`,
-  `client`, `cycle`, `scope`, and the parser callbacks `on_message_begin`, `on_header`,
+  `client`, `cycle`, `scope`, and the parser callbacks `on_message_begin`, `on_url`, `on_header`,
   `on_headers_complete`, `on_response_complete`, `send_400_response`; raising from a callback
   stops the parse (uvicorn answers 400 for it, which `send_400_response` here suppresses once
   the connection was refused);
@@ -151,14 +151,22 @@ class Connection(HttpToolsProtocol):
     def opened(self) -> None:
         """A client connected (counted in `open_connections`)."""
 
+    def read_begins(self) -> None:
+        """Bytes arrived, before they are parsed (uvicorn's keep-alive timer stops here)."""
+
     def after_read(self, size: int) -> None:
         """A read of `size` bytes was parsed (a head may have completed in it)."""
 
     def head_begins(self) -> None:
         """A request's first byte arrived."""
 
-    def header_seen(self) -> bool:
-        """One more header line of the head; False stops the parse (the hook refused it)."""
+    def url_seen(self, size: int) -> bool:
+        """The request line's target, `size` bytes; False stops the parse (the hook refused it)."""
+        return True
+
+    def header_seen(self, size: int) -> bool:
+        """One more header line of the head, `size` bytes with its separator and line end;
+        False stops the parse (the hook refused it)."""
         return True
 
     def head_done(self) -> None:
@@ -211,6 +219,7 @@ class Connection(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
+        self.read_begins()
         super().data_received(data)
         if not self.transport.is_closing():
             self.after_read(len(data))
@@ -219,8 +228,13 @@ class Connection(HttpToolsProtocol):
         self.head_begins()
         super().on_message_begin()
 
+    def on_url(self, url: bytes) -> None:
+        if not self.url_seen(len(url)):
+            raise _StopParse
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.header_seen():
+        if not self.header_seen(len(name) + len(value) + 4):  # ": " and CRLF
             raise _StopParse
         super().on_header(name, value)
 

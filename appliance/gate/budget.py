@@ -31,6 +31,7 @@ log = structlog.get_logger("appliance.budget")
 class Fitted:
     clamp: Clamp | None
     counted: bool  # whether the prompt had to be counted exactly
+    prompt: int | None = None  # the exact count, where the request has one prompt
 
 
 class BudgetFitter:
@@ -56,7 +57,7 @@ class BudgetFitter:
             return Fitted(None, counted=False)  # the engine judges the request itself
         clamp = clamp_max_tokens(body, fields=api.budget_fields, prompt_tokens=count,
                                  max_model_len=limits.window, defaulted=defaulted)
-        return Fitted(clamp, counted=True)
+        return Fitted(clamp, counted=True, prompt=count if api.one_prompt(body) else None)
 
     async def limits(self) -> Limits:
         pid = self._engine.pid

@@ -27,6 +27,7 @@ from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
 from appliance.gate.budget import BudgetFitter
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
+from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.settings import Settings
@@ -53,6 +54,7 @@ class Vetted:
     client: Client = ANYONE
     usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
+    prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
 
     @property
     def shape(self) -> ErrorShape:
@@ -117,6 +119,7 @@ class Gate:
             policy.check_media(media, multimodal=self._multimodal, max_images=limits.max_images,
                                max_image_bytes=limits.max_image_bytes,
                                allowed_hosts=limits.allowed_media_hosts)
+        check_constraints(body, self._settings.constraints, allowed=client.output_constraints)
         changed = api.adjust(body, self._settings)
         defaulted = bool(api.budget_fields) and apply_default_budget(
             body, api.budget_fields, limits.default_max_tokens)
@@ -145,6 +148,7 @@ class Gate:
         """Clamp the budget to the window's room (counting the prompt only if it may not fit)."""
         fitted = await self._budget.fit(vetted.api, vetted.payload, len(vetted.raw),
                                         defaulted=vetted.defaulted, multimodal=self._multimodal)
+        vetted.prompt_tokens = fitted.prompt
         if fitted.clamp is None:
             return
         clamp = fitted.clamp

@@ -28,6 +28,7 @@ _BY_TYPE: dict[str, tuple[MediaKind, str | None]] = {
     "audio_embeds": ("embeds", "audio_embeds"),
     "video_embeds": ("embeds", "video_embeds"),
     "image_pil": ("embeds", "image_pil"),
+    "prompt_embeds": ("embeds", "data"),  # a serialized tensor spliced into the prompt
 }
 # vLLM also reads a part by its keys when "type" is missing or a "uuid" is given, so
 # {"type": "text", "uuid": ..., "image_url": ...} is an image to the engine. Every media key
@@ -95,19 +96,19 @@ def find_batch_media_parts(body: Mapping[str, Any]) -> list[MediaPart]:
 
 def find_responses_media(body: Mapping[str, Any]) -> list[MediaPart]:
     """Every media item of a Responses input: message content parts (input_image, input_file,
-    input_audio) and the parts a function_call_output may carry."""
-    items = body.get("input")
-    if not isinstance(items, list):
-        return []
+    input_audio) and the parts a function_call_output may carry; in `input` and in vLLM's
+    `previous_input_messages` (a conversation given whole), which the engine renders alike."""
     found: list[MediaPart] = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            continue
-        for key in ("content", "output"):
-            parts = item.get(key)
-            for j, part in enumerate(parts if isinstance(parts, list) else []):
-                if isinstance(part, dict):
-                    found.extend(_media_items(part, f"input[{i}].{key}[{j}]"))
+    for field in ("input", "previous_input_messages"):
+        items = body.get(field)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if not isinstance(item, dict):
+                continue
+            for key in ("content", "output"):
+                parts = item.get(key)
+                for j, part in enumerate(parts if isinstance(parts, list) else []):
+                    if isinstance(part, dict):
+                        found.extend(_media_items(part, f"{field}[{i}].{key}[{j}]"))
     return found
 
 

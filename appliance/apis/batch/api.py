@@ -50,6 +50,9 @@ class BatchChatApi(GenerationApi):
                     default=0)
         return chat_bound(body, raw_len, limits, turns, multimodal)
 
+    def one_prompt(self, body: Mapping[str, Any]) -> bool:
+        return False  # the count is the longest conversation's
+
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:
         """The longest conversation: each one that might not fit is counted as chat messages."""

@@ -94,6 +94,9 @@ class CompletionApi(GenerationApi):
             return len(prompts)
         return limits.prompt_base + raw_len + SAFETY_TOKENS
 
+    def one_prompt(self, body: Mapping[str, Any]) -> bool:
+        return isinstance(body.get("prompt"), str)
+
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:
         """The longest prompt: each text that might not fit is counted, token ids are exact."""

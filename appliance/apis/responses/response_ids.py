@@ -1,50 +1,79 @@
-"""Which worker stored which Responses-API answer, so that an id lost in a restart is told
-apart from an id that never existed.
+"""Whose stored Responses-API answer each id names, and which worker stored it.
 
-vLLM keeps stored responses in the worker's memory: a restart loses them, and the new worker
-answers 404 for an id from before it. The appliance remembers, for the last N ids it created,
-the pid of the worker that served them, and says so in its 404.
+vLLM keeps stored responses in the worker's memory, under the id the request's `request_id`
+gave, for anyone who names it: it knows no clients. So the appliance remembers, for the last N
+ids it created, the client that made each one and the worker that served it. An id is reached
+(retrieved, cancelled, continued with `previous_response_id`) only by its own client: for
+anyone else, and for an id the appliance does not know, the answer is the same 404, without
+asking the worker. An id another client's response has cannot be chosen again. A worker's 404
+for an id the appliance knows says whether a restart lost it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from appliance.engine import EngineView
-from appliance.errors import ApiError, NotFound
+from appliance.errors import ApiError, BadRequest, NotFound
 
 _STORE_NOTE = ("Stored responses live in the engine worker's memory: they are lost when it "
                "restarts, and not kept at all for a request sent with store false.")
 
 
+@dataclass(frozen=True)
+class _Made:
+    owner: str  # the client's name
+    pid: int | None  # the worker that served it
+
+
 class ResponseIds:
-    """A bounded map response id -> worker pid, oldest forgotten first."""
+    """A bounded map response id -> (client, worker pid), oldest forgotten first."""
 
     def __init__(self, engine: EngineView, capacity: int) -> None:
         self._engine = engine
         self._capacity = capacity
-        self._pids: OrderedDict[str, int | None] = OrderedDict()
+        self._made: OrderedDict[str, _Made] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._pids)
+        return len(self._made)
 
-    def created(self, response_id: str) -> None:
-        """A response is being made under this id by the worker serving now."""
-        self._pids[response_id] = self._engine.pid
-        self._pids.move_to_end(response_id)
-        while len(self._pids) > self._capacity:
-            self._pids.popitem(last=False)
+    def created(self, response_id: str, owner: str, *, stored: bool) -> None:
+        """`owner` makes a response under this id, with the worker serving now; refused (400)
+        when another client's response has the id."""
+        made = self._made.get(response_id)
+        if made is not None and made.owner != owner:
+            raise BadRequest("'request_id' names a response that is not yours; leave it out and "
+                             "the appliance names the response.", param="request_id",
+                             code="request_id_taken", reason="request_id_taken")
+        if not stored:
+            return
+        self._made[response_id] = _Made(owner, self._engine.pid)
+        self._made.move_to_end(response_id)
+        while len(self._made) > self._capacity:
+            self._made.popitem(last=False)
+
+    def reach(self, response_id: str, owner: str, param: str) -> None:
+        """Raises the unknown id's 404 unless `owner` made the response."""
+        made = self._made.get(response_id)
+        if made is None or made.owner != owner:
+            raise _not_found(response_id, param)
 
     def explain(self, error: ApiError, response_id: str | None, param: str) -> ApiError:
         """The worker's 404 for `response_id`, saying whether a restart lost it."""
         if error.status != 404 or not response_id:
             return error
-        stored_by, now = self._pids.get(response_id), self._engine.pid
-        if response_id in self._pids and stored_by != now:
+        made, now = self._made.get(response_id), self._engine.pid
+        if made is not None and made.pid != now:
             return NotFound(
-                f"Response '{response_id}' was stored by the engine worker pid {stored_by}, "
+                f"Response '{response_id}' was stored by the engine worker pid {made.pid}, "
                 f"which has restarted since (the worker now is pid {now}); it is lost. "
                 + _STORE_NOTE, param=param, code="response_lost_in_restart",
                 reason="response_lost_in_restart")
-        return NotFound(f"{error.message} {_STORE_NOTE}", param=param, code="response_not_found",
-                        reason="response_not_found")
+        return _not_found(response_id, param)
+
+
+def _not_found(response_id: str, param: str) -> NotFound:
+    """One answer for an id that is not there and for one that is not the caller's."""
+    return NotFound(f"Response with id '{response_id}' not found. {_STORE_NOTE}", param=param,
+                    code="response_not_found", reason="response_not_found")

@@ -1,5 +1,5 @@
-"""The OpenAI Responses API: create (through the gate), retrieve and cancel (relayed as they
-are), every answer in the Responses protocol; a response id lost in a worker restart is told."""
+"""The OpenAI Responses API: create (through the gate), retrieve and cancel (relayed), every
+answer in the Responses protocol; a stored response is its own client's (ResponseIds)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from appliance.errors import BadRequest
 from appliance.gate.gate import Vetted
 from appliance.outbound import PassThrough
 from appliance.routes.generation import RouteDeps, generation, relay_for
+from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
 
 SHAPE = {"shape": RESPONSES_CREATE.shape}
@@ -30,14 +31,16 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
     ids = ResponseIds(relay.engine, deps.policy.max_tracked_responses)
 
     def prepare(vetted: Vetted) -> None:
-        body = vetted.payload
-        if body.get("store") is not False:
-            ids.created(body["request_id"])
+        body, owner = vetted.payload, vetted.client.name
         previous = body.get("previous_response_id")
+        if isinstance(previous, str):
+            ids.reach(previous, owner, "previous_response_id")
+        ids.created(body["request_id"], owner, stored=body.get("store") is not False)
         vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
 
-    def stored(route: WorkerRoute, response_id: str, method: str, query: str = "",
-               payload: dict[str, Any] | None = None) -> PassThrough:
+    def stored(request: Request[Any, Any, Any], route: WorkerRoute, response_id: str,
+               method: str, query: str = "", payload: dict[str, Any] | None = None) -> PassThrough:
+        ids.reach(response_id, client_of(request).name, "response_id")
         path = route.path.replace("{id}", quote(response_id, safe=""))
         return PassThrough(route, method, path + query, payload or {},
                            refine=lambda error: ids.explain(error, response_id, "response_id"))
@@ -48,13 +51,14 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
                        starting_after: FromQuery[int | None] = None) -> ASGIApp:
         query = _retrieve_query(stream, starting_after, background)
         payload = {"stream": stream, "request_id": response_id}
-        return relay_for(stored(RESPONSES_RETRIEVE, response_id, "GET", query, payload),
+        return relay_for(stored(request, RESPONSES_RETRIEVE, response_id, "GET", query, payload),
                          request, relay)
 
     @post("/v1/responses/{response_id:str}/cancel", name=RESPONSES_CANCEL.name, opt=SHAPE,
           status_code=200)
     async def cancel(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ASGIApp:
-        return relay_for(stored(RESPONSES_CANCEL, response_id, "POST"), request, relay)
+        return relay_for(stored(request, RESPONSES_CANCEL, response_id, "POST"), request,
+                         relay)
 
     return [generation(RESPONSES_CREATE, deps, prepare), retrieve, cancel]
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Request, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath
 from litestar.testing import TestClient
 
-from appliance.fences.litestar import Handler, handler_of, route_of
+from appliance.fences.litestar import Handler, client_left, handler_of, route_of
 from appliance.routes.handlers import get
 from tests.unit.fences.contract import Fence
 
@@ -53,6 +54,40 @@ def test_litestar_runs_guards_through_the_fence_with_the_handler_itself() -> Non
                      "the handler itself, not a copy", given)
     LITESTAR.require(template == "/items/{item}",
                      "the router puts the path template in scope['path_template']", template)
+
+
+def test_a_body_cut_short_by_its_client_is_an_exception_client_left_recognises() -> None:
+    """The connection ends mid-body (uvicorn's receive says http.disconnect): the exception
+    Litestar raises from `request.body()` is the one the fence tells apart from a bug."""
+    raised: list[BaseException] = []
+
+    @post("/echo")
+    async def echo(request: Request[Any, Any, Any]) -> None:
+        try:
+            await request.body()
+        except Exception as exc:
+            raised.append(exc)
+            raise
+
+    messages = iter([{"type": "http.request", "body": b'{"a"', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive() -> Any:
+        return next(messages)
+
+    async def send(_: Any) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo",
+             "query_string": b"", "root_path": "", "headers": [(b"content-length", b"100")],
+             "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+             "asgi": {"version": "3.0"}, "state": {}}
+    asyncio.run(Litestar(route_handlers=[echo], debug=False)(scope, receive, send))
+    LITESTAR.require(len(raised) == 1 and client_left(raised[0]),
+                     "request.body() raises InternalServerException('client disconnected "
+                     "prematurely') when the client's connection ends mid-body", raised)
+    LITESTAR.require(not client_left(RuntimeError("client disconnected prematurely")),
+                     "client_left() recognises Litestar's exception, not any with that text")
 
 
 def test_litestar_has_an_upper_bound_the_installed_version_is_within() -> None:

@@ -47,13 +47,14 @@ def test_the_protocol_has_the_callbacks_connection_overrides() -> None:
                              ("connection_lost", ["self", "exc"]),
                              ("data_received", ["self", "data"]),
                              ("on_message_begin", ["self"]),
+                             ("on_url", ["self", "url"]),
                              ("on_header", ["self", "name", "value"]),
                              ("on_headers_complete", ["self"]),
                              ("on_response_complete", ["self"]),
                              ("send_400_response", ["self", "msg"])]:
         UVICORN.parameters(UVICORN.attribute(HttpToolsProtocol, name), parameters)
     ours = {name for name, _ in inspect.getmembers(Connection)} - set(dir(HttpToolsProtocol))
-    hooks = {"opened", "after_read", "head_begins", "header_seen", "head_done",
+    hooks = {"opened", "read_begins", "after_read", "head_begins", "url_seen", "header_seen", "head_done",
              "response_done", "closed", "open_connections", "peer", "event_loop", "closing",
              "write_and_close", "close"}
     UVICORN.require(hooks <= ours, "none of Connection's own names is one of HttpToolsProtocol's",
@@ -71,7 +72,7 @@ class Recording(Connection):
     def head_begins(self) -> None:
         self.seen.append("head_begins")
 
-    def header_seen(self) -> bool:
+    def header_seen(self, size: int) -> bool:
         self.seen.append("header")
         return True
 

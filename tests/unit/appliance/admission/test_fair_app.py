@@ -24,13 +24,15 @@ from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, servin
 
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-KEYS = {"flood": "sk-flood", "steady": "sk-steady", "batch": "sk-batch", "plain": "sk-plain"}
+KEYS = {"flood": "sk-flood", "steady": "sk-steady", "batch": "sk-batch", "plain": "sk-plain",
+        "leaver": "sk-leaver"}
 CLIENTS = [
     {"name": "flood", "key": KEYS["flood"], "max_inflight": 2},
     {"name": "steady", "key_sha256": hashlib.sha256(KEYS["steady"].encode()).hexdigest(),
      "priority": -1},
     {"name": "batch", "key": KEYS["batch"], "tokens_per_minute": 60, "max_tokens": 3,
      "routes": ["/v1/chat/completions"], "priority": 7},
+    {"name": "leaver", "key": KEYS["leaver"], "tokens_per_minute": 200},
 ]
 
 
@@ -165,6 +167,32 @@ async def test_non_streamed_usage_counts_too() -> None:
         codes = [(await client.post("/v1/chat/completions", json=CHAT,
                                     headers=auth("batch"))).status_code for _ in range(7)]
     assert codes == [200] * 6 + [429]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_their_client_abandoned_are_charged_what_they_cost(stream: bool) -> None:
+    """leaver: 200 tokens a minute; a prompt of about 170 tokens (estimated from its bytes),
+    the answer never waited for: the second abandoned request takes the bucket below zero."""
+    body = {"messages": [{"role": "user", "content": "x" * 600}], "max_tokens": 100,
+            "stream": stream}
+    async with upstream(tokens=100, delay=0.05) as (fake, url), appliance(url) as client:
+        for _ in range(2):
+            request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body,
+                                                        headers=auth("leaver")))
+            await eventually(lambda: fake.running == 1)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            await eventually(lambda: fake.running == 0)
+            # The slot's release and the charge are one step: once nothing is in flight, the
+            # request was charged.
+            for _ in range(500):
+                if not value((await client.get("/metrics")).text, "appliance_requests_in_flight"):
+                    break
+                await asyncio.sleep(0.01)
+        refused = await client.post("/v1/chat/completions", json=body, headers=auth("leaver"))
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "client_tokens_per_minute"
 
 
 async def test_requests_beyond_every_slot_wait_in_the_queue_and_are_all_served() -> None:

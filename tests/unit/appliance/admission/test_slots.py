@@ -187,7 +187,7 @@ async def test_a_client_over_its_tokens_per_minute_waits_until_the_bucket_refill
     admission = Admission(8, clock=clock)
     metered = Client("meter", tokens_per_minute=600)  # 10 tokens a second
     async with admission.slot(metered) as meter:
-        meter.reported = 900  # 300 over: 30 s of refill before the level is above zero
+        meter.sending(900)  # 300 over: 30 s of refill before the level is above zero
     with pytest.raises(TooManyRequests) as refused:
         async with admission.slot(metered):
             pass
@@ -197,7 +197,6 @@ async def test_a_client_over_its_tokens_per_minute_waits_until_the_bucket_refill
     clock.now += 30.5
     async with admission.slot(metered) as meter:
         assert meter.enabled
-        meter.reported = 1
 
 
 async def test_an_unmetered_client_has_no_meter_to_feed() -> None:

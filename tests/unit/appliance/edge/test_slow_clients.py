@@ -139,3 +139,21 @@ def test_a_slow_but_steady_honest_body_is_served(stack: Stack) -> None:
             assert conn.send(piece)
         reply = conn.reply(10)
     assert reply.status == 200, reply.body[:300]
+
+
+@pytest.mark.parametrize("first", [
+    b"GET /livez HTTP/1.1\r\nHost: appliance\r\n\r\n",  # answered; then blank lines
+    b"GET /livez HTTP/1.1\r\nHost: appliance\r\nContent-Length: 100000\r\n\r\n",  # unread body
+], ids=["blank-lines-after-an-answer", "a-body-the-route-never-reads"])
+def test_bytes_trickled_after_an_answer_are_cut_off_within_the_header_timeout(
+        stack: Stack, first: bytes) -> None:
+    """Issue 20 #8: bytes that begin no request stop uvicorn's keep-alive timer at each read;
+    the head's deadline runs from the first of them instead."""
+    with Conn(stack.target) as conn:
+        assert conn.send(first)
+        assert conn.reply(10).status == 200
+        started = time.monotonic()
+        still_listening = conn.send_slowly(b"\r\n" * 1000, piece=2, gap_s=0.3,
+                                           until_s=CUT_OFF_S)
+        assert not still_listening, f"still taking bytes after {CUT_OFF_S}s"
+        _assert_cut_off([conn], started)

@@ -37,3 +37,21 @@ def test_the_word_role_inside_a_message_is_not_counted_as_a_message() -> None:
 def test_at_max_messages_the_conversation_passes() -> None:
     body = chat([{"role": "user", "content": "x"}] * 10)
     assert len(gate(max_messages=10).vet_now(body, CHAT).payload["messages"]) == 10
+
+
+NESTED = {"structured_outputs": {"regex": "(a+)+"}}
+
+
+def test_an_output_constraint_is_vetted_at_the_gate_and_per_client() -> None:
+    from appliance.admission.clients import Client
+
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}]} | NESTED).encode()
+    with pytest.raises(BadRequest) as caught:
+        gate().vet_now(body, CHAT)
+    assert caught.value.param == "structured_outputs.regex"
+    plain = json.dumps({"messages": [{"role": "user", "content": "x"}],
+                        "structured_outputs": {"choice": ["a", "b"]}}).encode()
+    assert gate().vet_now(plain, CHAT).payload["structured_outputs"]["choice"] == ["a", "b"]
+    with pytest.raises(BadRequest) as refused:
+        gate().vet_now(plain, CHAT, Client("strict", output_constraints=False))
+    assert refused.value.code == "constraints_not_allowed"

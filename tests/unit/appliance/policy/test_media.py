@@ -162,8 +162,9 @@ def test_find_media_parts_tolerates_any_body_shape(body: dict[str, Any]) -> None
         {"type": "audio_url", "audio_url": {"url": "https://images.example.com/a.wav"}},
         {"type": "video_url", "video_url": {"url": "https://images.example.com/a.mp4"}},
         {"type": "file", "file": {"file_data": "AAAA"}},
+        {"type": "prompt_embeds", "data": "serialized-tensor"},
     ],
-    ids=["image", "input-audio", "audio-url", "video", "file"],
+    ids=["image", "input-audio", "audio-url", "video", "file", "prompt-embeds"],
 )
 def test_a_text_only_model_refuses_any_media_part(part: Any) -> None:
     error = refusal(chat(part), multimodal=False)
@@ -292,8 +293,9 @@ def test_a_media_part_without_a_url_is_refused(part: Any) -> None:
         {"type": "image_embeds", "image_embeds": "tensor"},
         {"type": "audio_embeds", "audio_embeds": "tensor"},
         {"type": "image_pil", "image_pil": "object"},
+        {"type": "prompt_embeds", "data": "serialized-tensor"},
     ],
-    ids=["file", "input-file", "image-embeds", "audio-embeds", "image-pil"],
+    ids=["file", "input-file", "image-embeds", "audio-embeds", "image-pil", "prompt-embeds"],
 )
 def test_parts_the_appliance_cannot_inspect_are_refused_on_a_multimodal_model(part: Any) -> None:
     error = refusal(chat(part))

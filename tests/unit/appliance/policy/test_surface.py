@@ -78,6 +78,12 @@ def test_media_is_found_where_each_protocol_puts_it() -> None:
         ("input[0].content[1]", "image", "https://h/x.png"),
         ("input[0].content[2]", "file", None), ("input[0].content[2]", "file", None),
         ("input[1].output[0]", "image", None)]
+    given_whole = {"input": "x", "previous_input_messages": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "http://10.0.0.1/a"},
+                                     {"type": "prompt_embeds", "data": "tensor"}]}]}
+    assert [(p.param, p.kind) for p in find_responses_media(given_whole)] == [
+        ("previous_input_messages[0].content[0]", "image"),
+        ("previous_input_messages[0].content[1]", "embeds")]
     anthropic = {"system": [{"type": "text", "text": "s"}], "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
         {"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/a.png"}},
@@ -180,7 +186,7 @@ def test_response_ids_say_which_worker_lost_them_and_forget_the_oldest() -> None
     engine = FakeEngine("http://x", pid=1)
     ids = ResponseIds(engine, capacity=2)
     for response_id in ("a", "b", "c"):
-        ids.created(response_id)
+        ids.created(response_id, "app", stored=True)
     assert len(ids) == 2
     worker_404 = UpstreamError(404, "Response with id 'b' not found.", param=None, code=None)
     same_worker = ids.explain(worker_404, "b", "response_id")
