@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import psutil
 from appliance.settings import default_engine_python, default_model
 from supervisor.engine.worker import session_members
 from tests.net import free_port
+from tests.support.isolation import clean_env
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
 
@@ -81,7 +81,7 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
                       **settings: str) -> Iterator[Appliance]:
     require_engine()
     port, engine_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
@@ -122,7 +122,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
     port, engine_port = free_port(), free_port()
     worker = [sys.executable, "-m", "tests.support.synthetic_upstream",
               "--port", str(engine_port), *worker_args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",

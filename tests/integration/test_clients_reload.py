@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.harness import Appliance, running_synthetic_appliance
+from tests.support.isolation import clean_env
 
 OLD, NEW, NEWER = "sk-old-key", "sk-new-key", "sk-newer-key"
 
@@ -43,7 +44,7 @@ def status(appliance: Appliance, key: str) -> int:
 
 
 def reload_command(appliance: Appliance, config: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {"CHAT_APPLIANCE_CONFIG": str(config),
             "CHAT_APPLIANCE_SERVER__PORT": appliance.url.rsplit(":", 1)[1]}
     return subprocess.run([sys.executable, "-m", "supervisor.main", "reload"], env=env,

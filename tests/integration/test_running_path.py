@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.harness import Appliance, running_appliance, worker_tree
 from tests.metrics_text import samples, value
+from tests.support.isolation import clean_env
 
 
 def client(appliance: Appliance) -> openai.OpenAI:
@@ -152,7 +153,7 @@ def test_bad_config_exits_2(tmp_path: Path, setting: dict[str, str]) -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {f"CHAT_APPLIANCE_{k.upper()}": v for k, v in setting.items()}
     result = subprocess.run([sys.executable, "-m", "supervisor.main", "serve"], env=env,
                             capture_output=True, text=True, timeout=60, check=False)

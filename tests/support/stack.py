@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from load.procstat import Usage, usage
 from load.rawclient import Target
 from tests.metrics_text import samples
 from tests.net import free_port
+from tests.support.isolation import clean_env
 from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def _env(settings: Mapping[str, object], port: int, engine_port: int,
          upstream_args: Sequence[str]) -> dict[str, str]:
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port",
                 str(engine_port), "--tokens", "8", *upstream_args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
