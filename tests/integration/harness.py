@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,10 @@ from tests.net import free_port
 from tests.support.isolation import clean_env
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
+# Every process one appliance starts inherits this variable, with a value of its own: the
+# supervisor copies its environment to the template and the workers, which each lead their own
+# session (so neither the supervisor's session nor its children list finds them once it died).
+TREE_MARKER = "APPLIANCE_TEST_TREE"
 
 
 @dataclass
@@ -29,6 +34,7 @@ class Appliance:
     proc: subprocess.Popen[bytes]
     log_path: Path
     engine_port: int
+    marker: str
 
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=5)
@@ -55,6 +61,15 @@ class Appliance:
                 events.append(json.loads(line))
         return events
 
+    def template_pid(self) -> int:
+        started = [e for e in self.log_events() if e.get("event") == "template.starting"]
+        assert started, "no template was started"
+        return int(str(started[-1]["pid"]))
+
+    def tree(self) -> list[psutil.Process]:
+        """Every live process this appliance started, however deep, whatever its session."""
+        return marked(self.marker)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -66,6 +81,43 @@ class Appliance:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """Live, non-zombie processes whose environment carries TREE_MARKER=marker."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (proc.environ().get(TREE_MARKER) == marker
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc)
+    return found
+
+
+def start_serve(tmp_path: Path, env: dict[str, str], port: int, engine_port: int,
+                cwd: Path | None = None) -> Appliance:
+    """`python -m supervisor.main serve` logging to tmp_path/serve.log, its tree marked."""
+    marker = uuid.uuid4().hex
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=env | {TREE_MARKER: marker})
+    return Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port, marker)
+
+
+@contextlib.contextmanager
+def stopped_at_the_end(appliance: Appliance) -> Iterator[Appliance]:
+    """Stop the appliance (SIGTERM, SIGKILL after a timeout), then kill whatever it left:
+    a test that failed mid-way, or a stop that timed out, must not leak vLLM, EngineCore or
+    the template into the rest of the run."""
+    try:
+        yield appliance
+    finally:
+        appliance.stop()
+        for member in appliance.tree():
+            with contextlib.suppress(psutil.Error):
+                member.kill()
 
 
 def require_engine() -> None:
@@ -92,18 +144,8 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
     env |= env_extra or {}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
-    try:
+    with stopped_at_the_end(start_serve(tmp_path, env, port, engine_port)) as appliance:
         yield appliance
-    finally:
-        appliance.stop()
-        with contextlib.suppress(Exception):  # a test that failed mid-way must not leak a worker
-            for member in session_members(appliance.proc.pid):
-                member.kill()
 
 
 def worker_tree(pid: int) -> list[int]:
@@ -131,22 +173,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        # The worker inherits the checkout as its directory: `-m tests.support...` resolves there.
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=Path(__file__).resolve().parents[2])
-    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
-    try:
+    # The worker inherits the checkout as its directory: `-m tests.support...` resolves there.
+    appliance = start_serve(tmp_path, env, port, engine_port, Path(__file__).resolve().parents[2])
+    with stopped_at_the_end(appliance):
         yield appliance
-    finally:
-        worker_pid = None
-        # KeyError: /health refused the call (401 under server.protect_ops_routes).
-        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, KeyError):
-            worker_pid = appliance.worker_pid()
-        appliance.stop()
-        # The worker leads its own session: a supervisor that died mid-test must not leak it.
-        for member in session_members(worker_pid) if worker_pid else []:
-            with contextlib.suppress(psutil.Error):
-                member.kill()

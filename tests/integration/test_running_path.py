@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from supervisor.engine.worker import session_members
 from tests.integration.harness import Appliance, running_appliance, worker_tree
 from tests.metrics_text import samples, value
 from tests.support.isolation import clean_env
@@ -137,12 +138,15 @@ def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance
     test_chat_completion_through_the_sdk(appliance)
 
 
-def test_stop_leaves_no_process_of_the_worker_tree(tmp_path: Path) -> None:
+def test_stop_leaves_no_process_of_the_worker_or_the_template(tmp_path: Path) -> None:
     with running_appliance(tmp_path) as appliance:
         pid = int(appliance.wait_ready()["pid"])
-        assert worker_tree(pid)
+        template = appliance.template_pid()
+        assert session_members(pid) and session_members(template)
+        assert {pid, template} <= {p.pid for p in appliance.tree()}
         assert appliance.stop() == 0
-        assert not worker_tree(pid)
+        assert not session_members(pid) and not session_members(template)
+        assert not appliance.tree(), "nothing the appliance started outlives it"
         events = [e["event"] for e in appliance.log_events()]
         assert "supervisor.stopped" in events
         assert "worker.output" in events, "the worker's output is re-emitted with source=worker"
