@@ -17,11 +17,14 @@ import httpx
 import psutil
 
 from appliance.settings import default_engine_python, default_model
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 from supervisor.engine.worker import session_members
 from tests.net import free_port
 from tests.support.isolation import clean_env
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
+# A long answer (1500 tokens) takes minutes on 2 shared CPU cores: waiting longer means "never".
+ENGINE_NEVER_S = 300
 # Every process one appliance starts inherits this variable, with a value of its own: the
 # supervisor copies its environment to the template and the workers, which each lead their own
 # session (so neither the supervisor's session nor its children list finds them once it died).
@@ -60,6 +63,20 @@ class Appliance:
             with contextlib.suppress(ValueError):
                 events.append(json.loads(line))
         return events
+
+    def engine_stats(self) -> EngineStats:
+        """The worker's own counters (its /metrics), not the appliance's view of them."""
+        text = httpx.get(f"http://127.0.0.1:{self.engine_port}/metrics", timeout=10).text
+        return parse_engine_stats(text)
+
+    def generated_until_idle(self, before: EngineStats) -> float:
+        """Tokens the engine generated since `before`, read once it runs no more requests than
+        it did then: below a request's budget, the request was stopped short (aborted)."""
+        deadline = time.monotonic() + ENGINE_NEVER_S
+        while (now := self.engine_stats()).running > before.running:
+            assert time.monotonic() < deadline, "the engine never stopped the request"
+            time.sleep(0.05)
+        return now.generation_tokens - before.generation_tokens
 
     def template_pid(self) -> int:
         started = [e for e in self.log_events() if e.get("event") == "template.starting"]
