@@ -108,16 +108,22 @@ class Stack:
 
 
 def known_settings(wanted: Mapping[str, object]) -> dict[str, object]:
-    """The dotted settings (`server.idle_timeout_s`) this tree's Settings model has; the rest
-    are left out so that the appliance still boots where a limit does not exist yet."""
-    kept = {}
-    for key, value in wanted.items():
+    """`wanted` (dotted names, `server.idle_timeout_s`), once each name is checked against the
+    Settings model: an environment variable naming no setting would be ignored without a word,
+    and the test would pass without the setting it is about."""
+    for key in wanted:
         group, _, name = key.partition(".")
         field = Settings.model_fields.get(group)
         model = getattr(field, "annotation", None)
-        if name in getattr(model, "model_fields", {}):
-            kept[key] = value
-    return kept
+        assert name in getattr(model, "model_fields", {}), f"{key} is not a setting"
+    return dict(wanted)
+
+
+def settings_env(wanted: Mapping[str, object]) -> dict[str, str]:
+    """The CHAT_APPLIANCE_* variables for `wanted` (dotted names, checked)."""
+    return {"CHAT_APPLIANCE_" + key.upper().replace(".", "__"):
+            value if isinstance(value, str) else json.dumps(value)
+            for key, value in known_settings(wanted).items()}
 
 
 def _env(settings: Mapping[str, object], port: int, engine_port: int,
@@ -136,10 +142,7 @@ def _env(settings: Mapping[str, object], port: int, engine_port: int,
         "CHAT_APPLIANCE_GPU__ENABLED": "false",
         "PYTHONPATH": str(ROOT),
     }
-    for key, value in settings.items():
-        name = "CHAT_APPLIANCE_" + key.upper().replace(".", "__")
-        env[name] = value if isinstance(value, str) else json.dumps(value)
-    return env
+    return env | settings_env(settings)
 
 
 @contextlib.contextmanager
