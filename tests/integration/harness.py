@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,7 @@ ENGINE_NEVER_S = 300
 # supervisor copies its environment to the template and the workers, which each lead their own
 # session (so neither the supervisor's session nor its children list finds them once it died).
 TREE_MARKER = "APPLIANCE_TEST_TREE"
+SESSION_LEADERS = ("template.starting", "worker.spawned", "worker.forked")
 
 
 @dataclass
@@ -84,8 +86,25 @@ class Appliance:
         return int(str(started[-1]["pid"]))
 
     def tree(self) -> list[psutil.Process]:
-        """Every live process this appliance started, however deep, whatever its session."""
-        return marked(self.marker)
+        """Every live process this appliance started, however deep, whatever its session:
+        those carrying its marker and their descendants, and the members of every session its
+        log names as started here (vLLM writes its process titles over the environment, so
+        its server and EngineCore no longer show the marker, and they outlive their parent)."""
+        found = {proc.pid: proc for proc in marked(self.marker)}
+        for proc in list(found.values()):
+            with contextlib.suppress(psutil.Error):
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+        for sid, logged_at in self.session_leaders():
+            members = session_members(sid)
+            if _same_session(members, sid, logged_at):
+                found.update((member.pid, member) for member in members)
+        return list(found.values())
+
+    def session_leaders(self) -> list[tuple[int, float]]:
+        """(pid, when it was logged) of every template and worker this appliance started:
+        each leads a session of its own."""
+        return [(int(str(e["pid"])), datetime.fromisoformat(str(e["timestamp"])).timestamp())
+                for e in self.log_events() if e.get("event") in SESSION_LEADERS]
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -98,6 +117,17 @@ class Appliance:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+
+def _same_session(members: list[psutil.Process], sid: int, logged_at: float) -> bool:
+    """Whether the session `sid` is still the one that was logged. While a member lives the
+    kernel keeps the number from being reused; a leader started after the log line is a new
+    process that got the number again (pids wrap at 32768 here)."""
+    for member in members:
+        with contextlib.suppress(psutil.Error):
+            if member.pid == sid and member.create_time() > logged_at + 1.0:
+                return False
+    return True
 
 
 def marked(marker: str) -> list[psutil.Process]:
