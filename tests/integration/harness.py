@@ -162,9 +162,11 @@ def stopped_at_the_end(appliance: Appliance) -> Iterator[Appliance]:
         yield appliance
     finally:
         appliance.stop()
-        for member in appliance.tree():
+        left = appliance.tree()
+        for member in left:
             with contextlib.suppress(psutil.Error):
                 member.kill()
+        psutil.wait_procs(left, timeout=10)  # a SIGKILL is delivered, not yet acted on
 
 
 def require_engine() -> None:

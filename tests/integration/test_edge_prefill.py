@@ -36,8 +36,9 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
 
 
 class StallMeter:
-    """Samples the worker's counters while a request runs: the longest stretch the engine was
-    busy with none of them moving (what the progress watch sees of a prefill)."""
+    """Samples the worker's counters while a request runs: the longest stretch none of them
+    moved (what the progress watch sees of a prefill; vLLM's running gauge is not updated
+    during one either, so the request being in flight is what says the engine is busy)."""
 
     def __init__(self, appliance: Appliance) -> None:
         self.longest_s = 0.0
@@ -54,13 +55,13 @@ class StallMeter:
         self._thread.join(30)
 
     def _sample(self) -> None:
-        since, last = None, None
+        since, last = time.monotonic(), None
         while not self._done.wait(0.1):
-            stats = self._appliance.engine_stats()
+            progress = self._appliance.engine_stats().progress
             now = time.monotonic()
-            if not stats.busy or stats.progress != last:
-                since, last = (now if stats.busy else None), stats.progress
-            elif since is not None:
+            if progress != last:
+                since, last = now, progress
+            else:
                 self.longest_s = max(self.longest_s, now - since)
 
 
