@@ -76,8 +76,8 @@ Environment:
                                   CPU index; set it empty to use only pip's own config)
   CHAT_APPLIANCE_ENGINE__DEVICE=cpu|cuda  force the engine build (default: cuda when
                                   /proc/driver/nvidia/version exists)
-  CHAT_APPLIANCE_PYTHON=python3.X the interpreter for both venvs (default: the first
-                                  of python3.11, python3.12, python3.10, python3)
+  CHAT_APPLIANCE_PYTHON=python3.X the interpreter for both venvs, 3.11 or later (default:
+                                  the first of python3.11, python3.12, python3)
   CHAT_APPLIANCE_PREFIX=DIR       with --system: put /opt, /etc, /var/lib under DIR
                                   (for testing; systemctl is then never called)
   CHAT_APPLIANCE_INSTALL_HEARTBEAT_S=N  seconds between progress lines of a long step
@@ -292,13 +292,13 @@ set_layout() {
     MODELS_DIR="$(absolute "${CHAT_APPLIANCE_MODELS_DIR:-$MODELS_LINK}")"
 }
 
-# vLLM supports Python 3.10 and later; 3.11 first because it is what the engine is
-# tested with (and where this project's machines keep a local torch wheel).
+# One floor for both venvs: pyproject.toml's requires-python (3.11). 3.11 first because it
+# is what the engine is tested with (and where this project's machines keep a local torch wheel).
 find_python() {
     local candidate
-    for candidate in ${CHAT_APPLIANCE_PYTHON:-} python3.11 python3.12 python3.10 python3; do
+    for candidate in ${CHAT_APPLIANCE_PYTHON:-} python3.11 python3.12 python3; do
         command -v "$candidate" >/dev/null 2>&1 || continue
-        if "$candidate" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        if "$candidate" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
             PYTHON="$(command -v "$candidate")"
             PYTHON_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
             # The real file behind it (a pyenv shim or a link is not what a venv runs).
@@ -307,7 +307,7 @@ find_python() {
             return 0
         fi
     done
-    die "no Python 3.10 or later with venv and ensurepip found; install one (Debian: apt-get install python3 python3-venv) or set CHAT_APPLIANCE_PYTHON"
+    die "no Python 3.11 or later with venv and ensurepip found; install one (Debian: apt-get install python3 python3-venv) or set CHAT_APPLIANCE_PYTHON"
 }
 
 # The engine build follows the hardware: vllm (CUDA) where the NVIDIA driver is loaded,
@@ -391,7 +391,7 @@ ensure_appliance_venv() {
     step "$label: installing"
     # Recreate a venv whose interpreter is gone, broken or another one; otherwise install into it.
     if ! venv_interpreter_current "$APP_VENV" ||
-        ! "$APP_VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+        ! "$APP_VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
         rm -rf -- "$APP_VENV"
         run_logged "could not create $APP_VENV" "$PYTHON" -m venv "$APP_VENV"
     fi

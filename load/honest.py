@@ -27,6 +27,10 @@ class Latencies:
     def p99(self) -> float:
         return self.quantile(0.99)
 
+    @property
+    def worst(self) -> float:
+        return max(self.seconds, default=0.0)
+
     def __str__(self) -> str:
         return (f"p50 {self.quantile(0.5) * 1000:.0f} ms, p99 {self.p99 * 1000:.0f} ms, "
                 f"failed {self.failures}/{len(self.seconds) + self.failures}")

@@ -4,25 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import psutil
 
 from appliance.settings import default_engine_python, default_model
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 from supervisor.engine.worker import session_members
 from tests.net import free_port
+from tests.support.isolation import clean_env
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
+# A long answer (1500 tokens) takes minutes on 2 shared CPU cores: waiting longer means "never".
+ENGINE_NEVER_S = 300
+# Every process one appliance starts inherits this variable, with a value of its own: the
+# supervisor copies its environment to the template and the workers, which each lead their own
+# session (so neither the supervisor's session nor its children list finds them once it died).
+TREE_MARKER = "APPLIANCE_TEST_TREE"
+SESSION_LEADERS = ("template.starting", "worker.spawned", "worker.forked")
 
 
 @dataclass
@@ -31,6 +41,7 @@ class Appliance:
     proc: subprocess.Popen[bytes]
     log_path: Path
     engine_port: int
+    marker: str
     engine_socket: Path | None = None  # the worker's Unix socket (None: it listens on TCP)
 
     def health(self) -> httpx.Response:
@@ -72,6 +83,46 @@ class Appliance:
                 events.append(json.loads(line))
         return events
 
+    def engine_stats(self) -> EngineStats:
+        """The worker's own counters (its /metrics), not the appliance's view of them."""
+        text = httpx.get(f"http://127.0.0.1:{self.engine_port}/metrics", timeout=10).text
+        return parse_engine_stats(text)
+
+    def generated_until_idle(self, before: EngineStats) -> float:
+        """Tokens the engine generated since `before`, read once it runs no more requests than
+        it did then: below a request's budget, the request was stopped short (aborted)."""
+        deadline = time.monotonic() + ENGINE_NEVER_S
+        while (now := self.engine_stats()).running > before.running:
+            assert time.monotonic() < deadline, "the engine never stopped the request"
+            time.sleep(0.05)
+        return now.generation_tokens - before.generation_tokens
+
+    def template_pid(self) -> int:
+        started = [e for e in self.log_events() if e.get("event") == "template.starting"]
+        assert started, "no template was started"
+        return int(str(started[-1]["pid"]))
+
+    def tree(self) -> list[psutil.Process]:
+        """Every live process this appliance started, however deep, whatever its session:
+        those carrying its marker and their descendants, and the members of every session its
+        log names as started here (vLLM writes its process titles over the environment, so
+        its server and EngineCore no longer show the marker, and they outlive their parent)."""
+        found = {proc.pid: proc for proc in marked(self.marker)}
+        for proc in list(found.values()):
+            with contextlib.suppress(psutil.Error):
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+        for sid, logged_at in self.session_leaders():
+            members = session_members(sid)
+            if _same_session(members, sid, logged_at):
+                found.update((member.pid, member) for member in members)
+        return list(found.values())
+
+    def session_leaders(self) -> list[tuple[int, float]]:
+        """(pid, when it was logged) of every template and worker this appliance started:
+        each leads a session of its own."""
+        return [(int(str(e["pid"])), datetime.fromisoformat(str(e["timestamp"])).timestamp())
+                for e in self.log_events() if e.get("event") in SESSION_LEADERS]
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -83,6 +134,57 @@ class Appliance:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(10)
+
+
+def _same_session(members: list[psutil.Process], sid: int, logged_at: float) -> bool:
+    """Whether the session `sid` is still the one that was logged. While a member lives the
+    kernel keeps the number from being reused; a leader started after the log line is a new
+    process that got the number again (pids wrap at 32768 here)."""
+    for member in members:
+        with contextlib.suppress(psutil.Error):
+            if member.pid == sid and member.create_time() > logged_at + 1.0:
+                return False
+    return True
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """Live, non-zombie processes whose environment carries TREE_MARKER=marker."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (proc.environ().get(TREE_MARKER) == marker
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found.append(proc)
+    return found
+
+
+def start_serve(tmp_path: Path, env: dict[str, str], port: int, engine_port: int,
+                cwd: Path | None = None, engine_socket: Path | None = None) -> Appliance:
+    """`python -m supervisor.main serve` logging to tmp_path/serve.log, its tree marked."""
+    marker = uuid.uuid4().hex
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=env | {TREE_MARKER: marker})
+    return Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port, marker,
+                     engine_socket)
+
+
+@contextlib.contextmanager
+def stopped_at_the_end(appliance: Appliance) -> Iterator[Appliance]:
+    """Stop the appliance (SIGTERM, SIGKILL after a timeout), then kill whatever it left:
+    a test that failed mid-way, or a stop that timed out, must not leak vLLM, EngineCore or
+    the template into the rest of the run."""
+    try:
+        yield appliance
+    finally:
+        appliance.stop()
+        left = appliance.tree()
+        for member in left:
+            with contextlib.suppress(psutil.Error):
+                member.kill()
+        psutil.wait_procs(left, timeout=10)  # a SIGKILL is delivered, not yet acted on
 
 
 def require_engine() -> None:
@@ -100,7 +202,7 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
     port, engine_port = free_port(), free_port()
     # Short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path can be longer.
     run_dir = Path(tempfile.mkdtemp(prefix="ca-run-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
@@ -113,20 +215,13 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
     env |= env_extra or {}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
     tcp = env.get("CHAT_APPLIANCE_ENGINE__LISTEN") == "tcp"
-    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port,
-                          None if tcp else run_dir / "worker" / "worker.sock")
+    appliance = start_serve(tmp_path, env, port, engine_port,
+                            engine_socket=None if tcp else run_dir / "worker" / "worker.sock")
     try:
-        yield appliance
+        with stopped_at_the_end(appliance):
+            yield appliance
     finally:
-        appliance.stop()
-        with contextlib.suppress(Exception):  # a test that failed mid-way must not leak a worker
-            for member in session_members(appliance.proc.pid):
-                member.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -146,7 +241,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
     port, engine_port = free_port(), free_port()
     worker = [sys.executable, "-m", "tests.support.synthetic_upstream",
               "--port", str(engine_port), *worker_args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
@@ -157,22 +252,7 @@ def running_synthetic_appliance(tmp_path: Path, *worker_args: str,
         "CHAT_APPLIANCE_CRASHES__DIR": str(tmp_path / "crashes"),
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        # The worker inherits the checkout as its directory: `-m tests.support...` resolves there.
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=Path(__file__).resolve().parents[2])
-    appliance = Appliance(f"http://127.0.0.1:{port}", proc, log_path, engine_port)
-    try:
+    # The worker inherits the checkout as its directory: `-m tests.support...` resolves there.
+    appliance = start_serve(tmp_path, env, port, engine_port, Path(__file__).resolve().parents[2])
+    with stopped_at_the_end(appliance):
         yield appliance
-    finally:
-        worker_pid = None
-        # KeyError: /health refused the call (401 under server.protect_ops_routes).
-        with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, KeyError):
-            worker_pid = appliance.worker_pid()
-        appliance.stop()
-        # The worker leads its own session: a supervisor that died mid-test must not leak it.
-        for member in session_members(worker_pid) if worker_pid else []:
-            with contextlib.suppress(psutil.Error):
-                member.kill()

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.harness import Appliance, running_synthetic_appliance
+from tests.support.isolation import clean_env
 
 OLD, NEW, NEWER = "sk-old-key", "sk-new-key", "sk-newer-key"
 
@@ -31,7 +32,7 @@ def rotating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Applian
     workdir = Path(tmp_path_factory.mktemp("reload"))
     config = workdir / "config.toml"
     config_with(config, OLD)
-    with running_synthetic_appliance(workdir, "--tokens", "40", "--token-delay", "0.05",
+    with running_synthetic_appliance(workdir, "--tokens", "40", "--token-delay", "0.25",
                                      config=str(config)) as appliance:
         appliance.wait_ready(60)
         yield appliance, config
@@ -43,7 +44,7 @@ def status(appliance: Appliance, key: str) -> int:
 
 
 def reload_command(appliance: Appliance, config: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {"CHAT_APPLIANCE_CONFIG": str(config),
             "CHAT_APPLIANCE_SERVER__PORT": appliance.url.rsplit(":", 1)[1]}
     return subprocess.run([sys.executable, "-m", "supervisor.main", "reload"], env=env,
@@ -64,7 +65,7 @@ def test_reload_command_rotates_the_key_and_the_request_in_flight_finishes(
     lines: list[str] = []
     started = threading.Event()
 
-    def stream() -> None:  # 40 tokens at 50 ms: about 2 s, across the reload
+    def stream() -> None:  # 40 tokens at 250 ms: about 10 s, across the reload
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
         with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body, timeout=30,
                           headers={"Authorization": f"Bearer {OLD}"}) as response:
@@ -83,6 +84,12 @@ def test_reload_command_rotates_the_key_and_the_request_in_flight_finishes(
     assert status(appliance, OLD) == 401 and status(appliance, NEW) == 200
     in_flight.join(30)
     assert len(lines) == 41 and lines[-1] == "data: [DONE]"
+    # In order: the new table was in force before the old key's stream finished.
+    events = appliance.log_events()
+    reloaded = next(i for i, e in enumerate(events) if e.get("event") == "clients.reloaded")
+    finished = next(i for i, e in enumerate(events) if e.get("event") == "request.completed"
+                    and e.get("route") == "/v1/chat/completions" and e.get("status") == 200)
+    assert reloaded < finished, "the stream had finished before the reload: nothing was in flight"
 
 
 def test_a_broken_file_keeps_the_clients_in_force_and_says_why(

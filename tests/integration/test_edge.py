@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.harness import Appliance, running_appliance
-from tests.support.stack import known_settings
+from tests.support.stack import settings_env
 from tests.unit.appliance.edge.limits import EDGE_LIMITS, QUICK_S
 from tests.unit.appliance.edge.shapes import assert_openai_error, names
 
@@ -30,8 +30,7 @@ TRACEBACK_FRAGMENTS = 1  # a traceback is logged as one event, not line by line
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    limits = {"CHAT_APPLIANCE_" + key.upper().replace(".", "__"): str(value)
-              for key, value in known_settings(EDGE_LIMITS).items()}
+    limits = settings_env(EDGE_LIMITS)
     with running_appliance(Path(tmp_path_factory.mktemp("edge")), env_extra=limits) as appliance:
         appliance.wait_ready()
         yield appliance

@@ -16,6 +16,7 @@ import pytest
 
 from supervisor.engine.stats import parse_engine_stats
 from tests.integration.harness import Appliance, running_appliance
+from tests.metrics_text import samples
 
 KEY = "sk-integration-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -186,41 +187,44 @@ def _raw_request(appliance: Appliance, body: bytes) -> socket.socket:
     return sock
 
 
+def disconnects(appliance: Appliance, stream: bool) -> float:
+    text = httpx.get(f"{appliance.url}/metrics", timeout=5).text
+    return samples(text).get(("appliance_client_disconnects_total",
+                              frozenset({("stream", str(stream).lower())})), 0.0)
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_aborts_on_the_engine_within_half_a_second(gated: Appliance,
-                                                                stream: bool) -> None:
-    before = engine_running(gated)
+def test_disconnect_aborts_on_the_engine(gated: Appliance, stream: bool) -> None:
+    """In order: the request runs on the engine, the client leaves, the appliance counts the
+    disconnect and the engine stops the request short of its 1500 tokens (how soon is
+    load.bench_reactions's to measure)."""
+    before, disconnects_before = gated.engine_stats(), disconnects(gated, stream)
     body = (b'{"messages": [{"role": "user", "content": "Write a very long essay."}], '
             b'"max_tokens": 1500, "ignore_eos": true, "stream": ' + str(stream).lower().encode()
             + b"}")
     sock = _raw_request(gated, body)
     deadline = time.monotonic() + 30
-    while engine_running(gated) <= before:
+    while engine_running(gated) <= before.running:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.05)
     sock.close()
-    closed_at = time.monotonic()
-    while engine_running(gated) > before:
-        time.sleep(0.02)
-        assert time.monotonic() - closed_at < 5, "the engine never aborted the request"
-    aborted_s = time.monotonic() - closed_at
-    print(f"engine abort {aborted_s:.3f} s after the client left (stream={stream})")
-    assert aborted_s < 0.5, f"engine abort took {aborted_s:.3f} s"
-    metrics = httpx.get(f"{gated.url}/metrics", timeout=5).text
-    label = f'appliance_client_disconnects_total{{stream="{str(stream).lower()}"}}'
-    assert label in metrics
+    generated = gated.generated_until_idle(before)
+    assert generated < 1500, f"the engine finished all {generated:.0f} tokens: no abort"
+    assert disconnects(gated, stream) == disconnects_before + 1
 
 
 def test_admission_beyond_max_inflight_is_429_with_retry_after(gated: Appliance) -> None:
     body = {"messages": HI, "max_tokens": 400, "ignore_eos": True, "stream": True}
     started = threading.Barrier(MAX_INFLIGHT + 1)
     release = threading.Event()
+    admitted: list[int] = []
 
     def hold() -> None:
         with httpx.stream("POST", f"{gated.url}/v1/chat/completions", json=body, headers=AUTH,
                           timeout=120) as response:
             iterator = response.iter_lines()
             next(iterator)
+            admitted.append(response.status_code)
             started.wait(60)
             release.wait(120)
 
@@ -229,6 +233,9 @@ def test_admission_beyond_max_inflight_is_429_with_retry_after(gated: Appliance)
         thread.start()
     try:
         started.wait(120)
+        assert admitted == [200] * MAX_INFLIGHT, f"the holders were not all admitted: {admitted}"
+        in_flight = samples(httpx.get(f"{gated.url}/metrics", timeout=5).text)
+        assert in_flight[("appliance_requests_in_flight", frozenset())] == MAX_INFLIGHT
         response = post(gated, {"messages": HI, "max_tokens": 2})
         assert_error(response, 429)
         assert int(response.headers["retry-after"]) >= 1

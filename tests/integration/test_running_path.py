@@ -15,8 +15,10 @@ import openai
 import psutil
 import pytest
 
+from supervisor.engine.worker import session_members
 from tests.integration.harness import Appliance, running_appliance, worker_tree
 from tests.metrics_text import samples, value
+from tests.support.isolation import clean_env
 
 
 def client(appliance: Appliance) -> openai.OpenAI:
@@ -128,16 +130,13 @@ def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance
     assert started.wait(60), "the stream never started"
 
     os.kill(old_pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    while True:
-        response = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=5,
-                              json={"messages": [{"role": "user", "content": "hi"}]})
-        if response.status_code == 503:
-            break
-        assert time.monotonic() - killed_at < 1.0, f"still {response.status_code} after 1 s"
-    assert time.monotonic() - killed_at < 1.0
+    # The very first request after the kill is refused with a 503 the client can act on, not a
+    # 502, a 500 or a wait (how soon the supervisor notices is load.bench_reactions's).
+    response = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 503, response.text
     assert int(response.headers["retry-after"]) >= 1
-    assert response.json()["error"]["code"] == "engine_unavailable"
+    assert response.json()["error"]["code"] in ("engine_unavailable", "engine_lost")
 
     reader.join(30)
     assert lines[-1] == "data: [DONE]"
@@ -154,12 +153,15 @@ def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance
     test_chat_completion_through_the_sdk(appliance)
 
 
-def test_stop_leaves_no_process_of_the_worker_tree(tmp_path: Path) -> None:
+def test_stop_leaves_no_process_of_the_worker_or_the_template(tmp_path: Path) -> None:
     with running_appliance(tmp_path) as appliance:
         pid = int(appliance.wait_ready()["pid"])
-        assert worker_tree(pid)
+        template = appliance.template_pid()
+        assert session_members(pid) and session_members(template)
+        assert {pid, template} <= {p.pid for p in appliance.tree()}
         assert appliance.stop() == 0
-        assert not worker_tree(pid)
+        assert not session_members(pid) and not session_members(template)
+        assert not appliance.tree(), "nothing the appliance started outlives it"
         events = [e["event"] for e in appliance.log_events()]
         assert "supervisor.stopped" in events
         assert "worker.output" in events, "the worker's output is re-emitted with source=worker"
@@ -170,7 +172,7 @@ def test_bad_config_exits_2(tmp_path: Path, setting: dict[str, str]) -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {f"CHAT_APPLIANCE_{k.upper()}": v for k, v in setting.items()}
     result = subprocess.run([sys.executable, "-m", "supervisor.main", "serve"], env=env,
                             capture_output=True, text=True, timeout=60, check=False)

@@ -4,6 +4,7 @@ shows as an outage, then as a recovery. Screenshots land in the folder printed a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from tests.integration.harness import ENGINE_BOOT_S, Appliance
 from tests.metrics_text import samples
 
 UPDATE_S = 15  # the page polls every status.refresh_s (2 s); slack for a loaded machine
+CLOCK_SLACK_S = 0.01  # the log's timestamps are rounded to the millisecond
 
 
 @pytest.fixture(scope="module")
@@ -113,25 +115,22 @@ def test_stop_aborts_the_request_on_the_engine(appliance: Appliance, page: Page,
     aborts_before = disconnect_aborts(appliance)
     ask(page, "Count from 1 to 1000, one number per line.", 1500)
     page.wait(lambda p: len(answer(p)) > 20, 120, "the answer never started")
-    assert engine_running(appliance) == 1
+    before = appliance.engine_stats()
+    assert before.running == 1
     clicked_at = time.time()
     page.by_id("stop").click()
-    stopped_at = time.monotonic()
-    while engine_running(appliance) != 0:
-        assert time.monotonic() - stopped_at < 5, "the engine still runs the request after Stop"
-        time.sleep(0.05)
-    aborted_s = time.monotonic() - stopped_at
+    generated = appliance.generated_until_idle(dataclasses.replace(before, running=0))
     page.wait(lambda p: p.text("play-status").startswith("stopped"), UPDATE_S,
               "the page never said stopped")
     assert disconnect_aborts(appliance) == aborts_before + 1
-    # The browser closed the connection at once; the engine then aborts between two steps,
-    # which on a starved CPU can take a step's time (test_policy holds the 0.5 s bar).
+    # In order: Stop is clicked, the appliance sees the browser leave, the engine stops the
+    # request short of its budget (how soon is load.bench_reactions's to measure).
     seen_at = logged_at(appliance, "request.client_disconnected", page.text("request-id"))
-    assert seen_at is not None and seen_at - clicked_at < 1.0, (seen_at, clicked_at)
+    assert seen_at is not None and seen_at >= clicked_at - CLOCK_SLACK_S, (seen_at, clicked_at)
+    assert generated < 1500, f"the engine finished all {generated:.0f} tokens after Stop"
     page.wait(lambda p: p.text("disconnects").startswith(f"{int(aborts_before) + 1} streaming"),
               UPDATE_S, "the page never counted the abort")
-    print(f"Stop → appliance saw the disconnect after {seen_at - clicked_at:.2f}s, "
-          f"engine running 0 after {aborted_s:.2f}s")
+    print(f"Stop → appliance saw the disconnect after {seen_at - clicked_at:.2f}s")
     snapshot(appliance, page, artefacts, "3-stopped")
     assert page.errors() == []
 

@@ -243,29 +243,26 @@ LONG = "Write a very long essay about lighthouses."
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize(("path", "budget"), [("/v1/responses", "max_output_tokens"),
                                               ("/v1/messages", "max_tokens")])
-def test_disconnect_aborts_on_the_engine_within_half_a_second(
+def test_disconnect_aborts_on_the_engine(
         surface: Appliance, model: str, path: str, budget: str, stream: bool) -> None:
+    """The request runs on the engine, the client leaves, the engine stops it short of its 1500
+    tokens (how soon is load.bench_reactions's to measure)."""
     prompt: dict[str, object] = ({"input": LONG} if path == "/v1/responses"
                                  else {"messages": [{"role": "user", "content": LONG}]})
     idle_by = time.monotonic() + 60  # an earlier test's request may still be aborting
     while engine_running(surface) > 0:
         assert time.monotonic() < idle_by, "the engine never became idle"
         time.sleep(0.05)
-    before = 0.0
+    before = surface.engine_stats()
     sock = _raw_request(surface, path, {"model": model, budget: 1500, "ignore_eos": True,
                                         "stream": stream, **prompt})
     deadline = time.monotonic() + 30
-    while engine_running(surface) <= before:
+    while engine_running(surface) <= before.running:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.05)
     sock.close()
-    closed_at = time.monotonic()
-    while engine_running(surface) > before:
-        time.sleep(0.02)
-        assert time.monotonic() - closed_at < 5, "the engine never aborted the request"
-    aborted_s = time.monotonic() - closed_at
-    print(f"{path} engine abort {aborted_s:.3f} s after the client left (stream={stream})")
-    assert aborted_s < 0.5, f"engine abort took {aborted_s:.3f} s"
+    generated = surface.generated_until_idle(before)
+    assert generated < 1500, f"{path}: the engine finished all {generated:.0f} tokens: no abort"
 
 
 def _read_stream(appliance: Appliance, path: str, body: dict[str, object],

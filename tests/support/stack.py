@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import ssl
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from load.procstat import Usage, usage
 from load.rawclient import Target
 from tests.metrics_text import samples
 from tests.net import free_port
+from tests.support.isolation import clean_env
 from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,23 +114,29 @@ class Stack:
 
 
 def known_settings(wanted: Mapping[str, object]) -> dict[str, object]:
-    """The dotted settings (`server.idle_timeout_s`) this tree's Settings model has; the rest
-    are left out so that the appliance still boots where a limit does not exist yet."""
-    kept = {}
-    for key, value in wanted.items():
+    """`wanted` (dotted names, `server.idle_timeout_s`), once each name is checked against the
+    Settings model: an environment variable naming no setting would be ignored without a word,
+    and the test would pass without the setting it is about."""
+    for key in wanted:
         group, _, name = key.partition(".")
         field = Settings.model_fields.get(group)
         model = getattr(field, "annotation", None)
-        if name in getattr(model, "model_fields", {}):
-            kept[key] = value
-    return kept
+        assert name in getattr(model, "model_fields", {}), f"{key} is not a setting"
+    return dict(wanted)
+
+
+def settings_env(wanted: Mapping[str, object]) -> dict[str, str]:
+    """The CHAT_APPLIANCE_* variables for `wanted` (dotted names, checked)."""
+    return {"CHAT_APPLIANCE_" + key.upper().replace(".", "__"):
+            value if isinstance(value, str) else json.dumps(value)
+            for key, value in known_settings(wanted).items()}
 
 
 def _env(settings: Mapping[str, object], port: int, engine_port: int,
          upstream_args: Sequence[str]) -> dict[str, str]:
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port",
                 str(engine_port), "--tokens", "8", *upstream_args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    env = clean_env()
     env |= {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port),
@@ -143,10 +149,7 @@ def _env(settings: Mapping[str, object], port: int, engine_port: int,
         "CHAT_APPLIANCE_GPU__ENABLED": "false",
         "PYTHONPATH": str(ROOT),
     }
-    for key, value in settings.items():
-        name = "CHAT_APPLIANCE_" + key.upper().replace(".", "__")
-        env[name] = value if isinstance(value, str) else json.dumps(value)
-    return env
+    return env | settings_env(settings)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from appliance.settings import ConfigError, load_settings, masked_dump
+from tests.support.isolation import NO_CONFIG
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +19,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("CHAT_APPLIANCE_"):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(NO_CONFIG))  # never /etc's
 
 
 def write(tmp_path: Path, text: str) -> Path:

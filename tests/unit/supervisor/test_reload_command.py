@@ -7,13 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from appliance.settings import CONFIG_ENV
 from tests.net import free_port
+from tests.support.isolation import NO_CONFIG
 
 
 def reload(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "supervisor.main", "reload", *args],
-                          env={"PATH": "/usr/bin", **env}, capture_output=True, text=True,
-                          timeout=60, check=False)
+                          env={"PATH": "/usr/bin", CONFIG_ENV: str(NO_CONFIG), **env},
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_nothing_answering_is_exit_3_naming_the_socket(tmp_path: Path) -> None:

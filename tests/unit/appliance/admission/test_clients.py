@@ -114,7 +114,6 @@ def test_an_ambiguous_or_malformed_clients_table_is_a_config_error_that_shows_no
 
     from appliance.settings import load_settings
 
-    monkeypatch.delenv("CHAT_APPLIANCE_CONFIG", raising=False)
     monkeypatch.setenv("CHAT_APPLIANCE_ADMISSION__CLIENTS", json.dumps(admission["clients"]))
     with pytest.raises(ConfigError) as refused:
         load_settings()

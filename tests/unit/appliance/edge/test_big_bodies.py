@@ -1,5 +1,5 @@
 """Big bodies (issue 9 #9): parsing four bodies just under the 16 MiB limit at once does not
-stall the loop: /livez, polled meanwhile, keeps its p99 under LIVEZ_P99_S."""
+stall the loop: /livez, polled meanwhile, answers every poll, none after LIVEZ_WORST_S."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from load.attacks import big_chat_body
 from load.honest import poll_livez_during
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
-from tests.unit.appliance.edge.limits import LIVEZ_P99_S
+from tests.unit.appliance.edge.limits import LIVEZ_WORST_S
 
 CONCURRENT = 4
 
@@ -26,8 +26,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 
-def test_four_big_bodies_at_once_keep_livez_fast(stack: Stack) -> None:
-    """#9: four ~15.5 MiB JSON bodies at once; /livez p99 <= LIVEZ_P99_S, no poll fails and
+def test_four_big_bodies_at_once_keep_livez_answering(stack: Stack) -> None:
+    """#9: four ~15.5 MiB JSON bodies at once; no /livez poll fails or waits LIVEZ_WORST_S, and
     no big body gets a 5xx."""
     body = big_chat_body()  # ~15.5 MiB, under server.max_body_bytes (16 MiB)
     statuses: list[int] = []
@@ -40,4 +40,4 @@ def test_four_big_bodies_at_once_keep_livez_fast(stack: Stack) -> None:
     livez = poll_livez_during(stack.url, [send] * CONCURRENT)
     summary = f"statuses {statuses}; /livez {livez}"
     assert len(statuses) == CONCURRENT and all(status < 500 for status in statuses), summary
-    assert livez.failures == 0 and livez.p99 <= LIVEZ_P99_S, summary
+    assert livez.failures == 0 and livez.worst < LIVEZ_WORST_S, summary

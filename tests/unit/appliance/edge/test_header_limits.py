@@ -13,7 +13,7 @@ from load.honest import poll_livez_during
 from load.procstat import MIB, PeakSampler
 from load.rawclient import Conn, HeaderItem, Reply, Stalled, request_head
 from tests.support.stack import Stack
-from tests.unit.appliance.edge.limits import LIVEZ_P99_S, QUICK_S, RSS_GROWTH_MIB
+from tests.unit.appliance.edge.limits import LIVEZ_WORST_S, QUICK_S, RSS_GROWTH_MIB
 
 REFUSED = (None, 431)  # a 431, or the connection closed before the app saw the request
 
@@ -57,9 +57,9 @@ def test_two_hundred_thousand_headers_are_refused_quickly(stack: Stack) -> None:
     assert time.monotonic() - started < QUICK_S
 
 
-def test_header_floods_keep_memory_bounded_and_livez_fast(stack: Stack) -> None:
+def test_header_floods_keep_memory_bounded_and_livez_answering(stack: Stack) -> None:
     """#3: four 64 MiB headers at once: the appliance's RSS grows by at most RSS_GROWTH_MIB and
-    /livez (polled meanwhile) keeps its p99 under LIVEZ_P99_S."""
+    /livez (polled meanwhile) answers every poll, none after LIVEZ_WORST_S."""
     flood = _livez_request(stack, [("X-Big", "a" * (64 * MIB))])  # built before: no GIL hog
 
     def attack() -> None:
@@ -72,7 +72,7 @@ def test_header_floods_keep_memory_bounded_and_livez_fast(stack: Stack) -> None:
     grown = (sampler.peak.rss_bytes - before.rss_bytes) / MIB
     summary = f"RSS grew {grown:.0f} MiB; /livez {livez}"
     assert grown <= RSS_GROWTH_MIB, summary
-    assert livez.failures == 0 and livez.p99 <= LIVEZ_P99_S, summary
+    assert livez.failures == 0 and livez.worst < LIVEZ_WORST_S, summary
 
 
 def test_ordinary_headers_are_accepted(stack: Stack) -> None:

@@ -8,14 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.apis.openai.api import CHAT, COMPLETION
 from appliance.errors import BadRequest
-from appliance.policy import Clamp, clamp_max_tokens, header_value
-from appliance.policy.max_tokens import (
-    CHAT_BUDGET,
-    COMPLETION_BUDGET,
-    apply_default_budget,
-    effective_prompt_tokens,
-)
+from appliance.policy import CLAMP_HEADER, Clamp, clamp_max_tokens, header_value
+from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET, effective_prompt_tokens
+from tests.unit.appliance.gate.counting import counting_gate, through
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -26,12 +23,21 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "hi", **fields}
 
 
-def clamp(body: dict[str, Any], prompt: int, window: int = 1000, default: int | None = None) -> Clamp | None:
-    """The gate's order: the default goes in first, then the budget is fitted to the room."""
+def clamp(body: dict[str, Any], prompt: int, window: int = 1000) -> Clamp | None:
+    """The rule alone: the budget in `body` fitted to the room `prompt` tokens leave."""
     fields = CHAT_BUDGET if "messages" in body else COMPLETION_BUDGET
-    defaulted = apply_default_budget(body, fields, default)
     return clamp_max_tokens(body, fields=fields, prompt_tokens=prompt, max_model_len=window,
-                            defaulted=defaulted)
+                            defaulted=False)
+
+
+def gated(body: dict[str, Any], prompt: int, default: int, window: int = 1000) -> str | None:
+    """`body` through the real gate, policy.default_max_tokens = `default`: the clamp header
+    the client gets (None without one); `body` becomes what is forwarded to the worker."""
+    api = CHAT if "messages" in body else COMPLETION
+    vetted = through(counting_gate(prompt, window, default_max_tokens=default), body, api)
+    body.clear()
+    body.update(vetted.payload)
+    return vetted.headers.get(CLAMP_HEADER)
 
 
 def refusal(body: dict[str, Any], prompt: int, window: int = 1000) -> BadRequest:
@@ -111,33 +117,32 @@ def test_no_budget_and_no_default_leaves_the_field_absent() -> None:
 
 def test_a_null_budget_counts_as_absent_and_takes_the_default() -> None:
     body = chat(max_tokens=None)
-    assert clamp(body, prompt=100, default=256) is None
+    assert gated(body, prompt=100, default=256) is None
     assert body["max_completion_tokens"] == 256
 
 
 def test_no_budget_takes_the_default_when_it_fits_and_reports_no_clamp() -> None:
     body = completion()
-    assert clamp(body, prompt=100, default=900) is None
+    assert gated(body, prompt=100, default=900) is None
     assert body["max_tokens"] == 900
 
 
 def test_a_default_larger_than_the_room_is_clamped_and_marked_as_the_default() -> None:
     body = chat()
-    result = clamp(body, prompt=100, default=4096)
-    assert result == Clamp("max_completion_tokens", 4096, 900, defaulted=True)
+    assert gated(body, prompt=100, default=4096) == "requested=4096; applied=900; source=default"
     assert body["max_completion_tokens"] == 900
 
 
 def test_a_completion_default_goes_in_max_tokens() -> None:
     body = completion()
-    assert clamp(body, prompt=100, default=4096) == Clamp("max_tokens", 4096, 900, defaulted=True)
+    assert gated(body, prompt=100, default=4096) == "requested=4096; applied=900; source=default"
     assert body["max_tokens"] == 900
 
 
 def test_a_client_budget_is_kept_over_the_default() -> None:
     body = chat(max_tokens=10)
-    assert clamp(body, prompt=100, default=500) is None
-    assert body["max_tokens"] == 10
+    assert gated(body, prompt=100, default=500) is None
+    assert body["max_tokens"] == 10 and "max_completion_tokens" not in body
 
 
 def test_truncate_prompt_tokens_shrinks_the_prompt_that_is_counted() -> None:

@@ -1,4 +1,4 @@
-"""Properties over generated bodies: the rules answer a client error or pass, never crash."""
+"""Properties over generated bodies: the gate answers a client error or passes, never crashes."""
 
 from __future__ import annotations
 
@@ -9,20 +9,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.apis.openai.api import OPENAI
+from appliance.apis.openai.api import CHAT, OPENAI
 from appliance.errors import ApiError
-from appliance.policy import (
-    apply_thinking,
-    check_media,
-    check_n,
-    check_tools,
-    clamp_max_tokens,
-    find_media_parts,
-    parse_json,
-    validate_chat,
-    validate_completion,
-)
-from appliance.policy.max_tokens import CHAT_BUDGET, apply_default_budget
+from appliance.policy import parse_json, validate_chat, validate_completion
+from appliance.policy.max_tokens import CHAT_BUDGET, effective_prompt_tokens
+from tests.unit.appliance.gate.counting import counting_gate, through
 
 KNOWN_KEYS = [
     "model",
@@ -154,23 +145,23 @@ valid_chat_bodies = st.fixed_dictionaries(
 )
 
 
-def run_rules(body: dict[str, Any]) -> None:
-    check_n(body, 2)
-    check_tools(body, tool_parser=None)
-    apply_thinking(body, default_kwargs={"enable_thinking": True}, disable_with_tools=True)
-    check_media(
-        find_media_parts(body),
-        multimodal=True,
-        max_images=2,
-        max_image_bytes=64,
-        allowed_hosts=["img.example"],
-    )
-    defaulted = apply_default_budget(body, CHAT_BUDGET, 32)
-    clamp_max_tokens(body, fields=CHAT_BUDGET, prompt_tokens=10, max_model_len=64, defaulted=defaulted)
+# A window of 64 tokens and every prompt 10 tokens long: a room of 54, which the default
+# budget (100) does not fit, so the order of "default, then fit" decides what is forwarded.
+PROMPT, WINDOW = 10, 64
+GATE = counting_gate(PROMPT, WINDOW, max_n=2, default_max_tokens=100, multimodal="on",
+                     max_images=2, max_image_bytes=64, allowed_media_hosts=["img.example"])
 
 
 @settings(max_examples=200, deadline=None)
 @given(body=valid_chat_bodies)
-def test_every_rule_on_a_valid_body_gives_only_client_errors(body: dict[str, Any]) -> None:
+def test_the_gate_on_a_valid_body_gives_only_client_errors_and_a_budget_that_fits(
+        body: dict[str, Any]) -> None:
+    """The real gate, every rule in its own order: a client error, or a body whose budget
+    fits the room the prompt leaves."""
     validate_chat(body)  # the strategy makes valid bodies, so every later rule is reached
-    assert_client_error(lambda: run_rules(body))
+    forwarded: list[dict[str, Any]] = []
+    assert_client_error(lambda: forwarded.append(through(GATE, body, CHAT).payload))
+    for payload in forwarded:
+        room = WINDOW - effective_prompt_tokens(payload, PROMPT, WINDOW)
+        budgets = [payload[name] for name in CHAT_BUDGET if payload.get(name) is not None]
+        assert budgets and all(1 <= budget <= room for budget in budgets), payload
