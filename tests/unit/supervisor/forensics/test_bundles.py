@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from appliance.admission.clients import Client
 from appliance.engine import Waiting
 from appliance.settings import CrashSettings, Settings
 from supervisor.engine.exits import ExitCause, ExitReason
@@ -32,10 +31,15 @@ SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
 
 @dataclass
 class Pending:
+    """An appliance.engine.Pending: what the relay registers of a request it sent."""
+
     raw: bytes
     target: str = "/v1/chat/completions"
     stream: bool = True
-    client: Client = field(default_factory=lambda: Client(name="team-a"))
+    client_name: str = "team-a"
+
+    def body(self) -> bytes:
+        return self.raw
 
 
 @dataclass
