@@ -745,14 +745,15 @@ main() {
         ensure_state_dir
     fi
     ensure_appliance_venv
-    [[ "$MODE" != system ]] || ensure_system_config
+    if [[ "$MODE" == system ]]; then
+        ensure_tls_certificate  # before the config that names it
+        ensure_system_config
+    fi
     run_doctor "before the engine venv" --before-install
     ensure_engine_venv
     ensure_py_spy
     ensure_default_model
     if [[ "$MODE" == system ]]; then
-        ensure_tls_certificate
-        ensure_system_config
         check_service_access
         ensure_uvm_at_boot
         install_systemd_unit

@@ -82,13 +82,13 @@ def test_a_cpu_install_writes_no_modules_load_file(tmp_path: Path) -> None:
 
 def test_doctor_runs_before_the_engine_venv_is_built_and_again_at_the_end(tmp_path: Path) -> None:
     steps = ["set_layout", "find_python", "choose_engine", "ensure_appliance_venv",
-             "ensure_engine_venv", "ensure_default_model", "print_next"]
+             "ensure_engine_venv", "ensure_py_spy", "ensure_default_model", "print_next"]
     stubs = "".join(f'{name}() {{ echo {name}; }}\n' for name in steps)
     result = bash(f'{stubs}run_doctor() {{ echo "doctor $*"; }}\nmain', tmp_path)
     assert result.stdout.splitlines() == [
         "set_layout", "==> chat-appliance install (development mode)", "find_python",
         "choose_engine", "ensure_appliance_venv",
-        "doctor before the engine venv --before-install", "ensure_engine_venv",
+        "doctor before the engine venv --before-install", "ensure_engine_venv", "ensure_py_spy",
         "ensure_default_model", "doctor installed", "print_next"]
 
 

@@ -38,15 +38,15 @@ def test_the_setting_decides_over_auto() -> None:
 def test_on_a_gpu_the_worker_gets_the_watched_gpu_by_uuid_in_nvmls_order() -> None:
     """NVML numbers GPUs by PCI bus, CUDA fastest first: an index alone could differ."""
     settings = Settings(engine={"device": "cuda"}, gpu={"device": "1"})
-    env = build_env(worker_settings(settings, "GPU-abc"))
+    env = build_env(worker_settings(settings, gpu_uuid="GPU-abc"))
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-abc"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    unwatched = build_env(worker_settings(settings, None))  # the monitor found no GPU
+    unwatched = build_env(worker_settings(settings, gpu_uuid=None))  # the monitor found no GPU
     assert unwatched["CUDA_VISIBLE_DEVICES"] == "1"
     mine = Settings(engine={"device": "cuda", "env": {"CUDA_VISIBLE_DEVICES": "0,1"}})
-    assert build_env(worker_settings(mine, "GPU-abc"))["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert build_env(worker_settings(mine, gpu_uuid="GPU-abc"))["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_on_the_cpu_no_cuda_device_is_chosen() -> None:
-    env = build_env(worker_settings(Settings(engine={"device": "cpu"}), None))
+    env = build_env(worker_settings(Settings(engine={"device": "cpu"}), gpu_uuid=None))
     assert env.get("CUDA_DEVICE_ORDER") == os.environ.get("CUDA_DEVICE_ORDER")  # untouched
