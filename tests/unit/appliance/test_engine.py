@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from appliance.admission.clients import Client
 from appliance.engine import Waiting, fingerprint
-
-SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
-
-
-@dataclass
-class Pending:
-    raw: bytes
-    target: str = "/v1/chat/completions"
-    stream: bool = True
-    client: Client = field(default_factory=lambda: Client(name="team-a"))
+from tests.unit.appliance.pending import SECRET, Pending
 
 
 def test_waiting_counts_each_request_once_and_describes_it_without_its_body() -> None:

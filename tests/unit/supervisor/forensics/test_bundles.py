@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from appliance.admission.clients import Client
 from appliance.engine import Waiting
 from appliance.settings import CrashSettings, Settings
 from supervisor.engine.exits import ExitCause, ExitReason
@@ -24,18 +23,9 @@ from supervisor.forensics.bundles import Bundles
 from supervisor.forensics.command import crashes
 from supervisor.forensics.recorder import Recorder
 from supervisor.forensics.stacks import dump_stacks, proc_threads
+from tests.unit.appliance.pending import SECRET, Pending
 
 pytestmark = pytest.mark.anyio
-
-SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
-
-
-@dataclass
-class Pending:
-    raw: bytes
-    target: str = "/v1/chat/completions"
-    stream: bool = True
-    client: Client = field(default_factory=lambda: Client(name="team-a"))
 
 
 @dataclass
