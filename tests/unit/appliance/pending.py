@@ -3,16 +3,19 @@ what the engine tests and the crash-bundle tests both describe."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from appliance.admission.clients import Client
+from dataclasses import dataclass
 
 SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
 
 
 @dataclass
 class Pending:
+    """appliance.engine.Pending, as an Outbound shows it to the supervisor."""
+
     raw: bytes
     target: str = "/v1/chat/completions"
     stream: bool = True
-    client: Client = field(default_factory=lambda: Client(name="team-a"))
+    client_name: str = "team-a"
+
+    def body(self) -> bytes | None:
+        return self.raw
