@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -223,6 +223,27 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
             yield appliance
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def as_client(who: str) -> dict[str, str]:
+    """The headers of the named client `who`: its key in these tests is sk-<who>."""
+    return {"Authorization": f"Bearer sk-{who}"}
+
+
+@contextlib.contextmanager
+def running_with_clients(tmp_path: Path, clients: Sequence[Mapping[str, object]],
+                         **settings: str) -> Iterator[Appliance]:
+    """The real appliance serving the named `clients`, once its worker is ready."""
+    with running_appliance(tmp_path, None, admission__clients=json.dumps(clients),
+                           **settings) as appliance:
+        appliance.wait_ready()
+        yield appliance
+
+
+def chat_as(appliance: Appliance, who: str, body: Mapping[str, object]) -> httpx.Response:
+    """A chat completion asked by the named client `who`."""
+    return httpx.post(f"{appliance.url}/v1/chat/completions", timeout=120,
+                      headers=as_client(who), json=body)
 
 
 def worker_tree(pid: int) -> list[int]:
