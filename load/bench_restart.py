@@ -121,6 +121,18 @@ def engine_core(worker_pid: int) -> psutil.Process:
     return next(p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name())
 
 
+def declared_and_replaced(appliance: Appliance, pid: int, began: float,
+                          request: threading.Thread) -> tuple[float, int, dict[str, Any]]:
+    """After a freeze at `began`: seconds until /health leaves 200, the new worker's pid once
+    it answers 200, and the exit cause /health then names, with `request` ended (or left)."""
+    while appliance.health().status_code == 200:
+        time.sleep(0.05)
+    declared_s = time.monotonic() - began
+    new = ready_again(appliance, pid)
+    request.join(60)
+    return declared_s, new, appliance.health().json().get("last_exit") or {}
+
+
 def stream_story(url: str, started: threading.Event, ended: list[str]) -> None:
     body = {"messages": [{"role": "user", "content": "Write a long story."}],
             "max_tokens": 2000, "stream": True, "ignore_eos": True}
@@ -141,12 +153,7 @@ def sigstop_under_a_stream(appliance: Appliance, pid: int) -> tuple[int, dict[st
         raise RuntimeError("the stream never started")
     stopped_at, began = time.time(), time.monotonic()
     engine_core(pid).send_signal(signal.SIGSTOP)
-    while appliance.health().status_code == 200:
-        time.sleep(0.05)
-    declared_s = time.monotonic() - began
-    new = ready_again(appliance, pid)
-    thread.join(60)
-    cause = appliance.health().json().get("last_exit") or {}
+    declared_s, new, cause = declared_and_replaced(appliance, pid, began, thread)
     return new, {"sigstop_to_declared_s": round(declared_s, 1),
                  "sigstop_to_ready_s": round(time.monotonic() - began, 1),
                  "reason": cause.get("reason"), "stream_last_line": ended[0][:80],
@@ -191,12 +198,7 @@ def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple
     if during != "idle":
         freeze(pid, target)
         began = time.monotonic()
-    while appliance.health().status_code == 200:
-        time.sleep(0.05)
-    declared_s = time.monotonic() - began
-    new = ready_again(appliance, pid)
-    request.join(60)
-    cause = appliance.health().json().get("last_exit") or {}
+    declared_s, new, cause = declared_and_replaced(appliance, pid, began, request)
     return new, {"frozen": target, "during": during, "declared_s": round(declared_s, 1),
                  "ready_s": round(time.monotonic() - began, 1), "reason": cause.get("reason"),
                  "detail": str(cause.get("detail"))[:90]}

@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -223,6 +224,49 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
             yield appliance
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def as_client(who: str) -> dict[str, str]:
+    """The headers of the named client `who`: its key in these tests is sk-<who>."""
+    return {"Authorization": f"Bearer sk-{who}"}
+
+
+@contextlib.contextmanager
+def running_with_clients(tmp_path: Path, clients: Sequence[Mapping[str, object]],
+                         **settings: str) -> Iterator[Appliance]:
+    """The real appliance serving the named `clients`, once its worker is ready."""
+    with running_appliance(tmp_path, None, admission__clients=json.dumps(clients),
+                           **settings) as appliance:
+        appliance.wait_ready()
+        yield appliance
+
+
+def chat_as(appliance: Appliance, who: str, body: Mapping[str, object]) -> httpx.Response:
+    """A chat completion asked by the named client `who`."""
+    return httpx.post(f"{appliance.url}/v1/chat/completions", timeout=120,
+                      headers=as_client(who), json=body)
+
+
+def long_stream(appliance: Appliance, messages: list[dict[str, str]],
+                timeout_s: float) -> tuple[threading.Thread, list[str]]:
+    """A 1,500-token chat stream read on a thread, its non-empty lines kept in the list;
+    returned once the first line came."""
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        body = {"messages": messages, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
+                          timeout=timeout_s) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60), "the stream never started"
+    return reader, lines
 
 
 def worker_tree(pid: int) -> list[int]:

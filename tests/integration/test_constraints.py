@@ -5,7 +5,6 @@ by load/constraint_cost.py."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,25 +12,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance
+from tests.integration.harness import Appliance, chat_as, running_with_clients
 
-CLIENTS = [{"name": "free", "key": "sk-free"},
+CLIENTS: list[dict[str, object]] = [{"name": "free", "key": "sk-free"},
            {"name": "plain", "key": "sk-plain", "output_constraints": False}]
 HI = [{"role": "user", "content": "Give a phone number."}]
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("constraints")),
-                           admission__clients=json.dumps(CLIENTS)) as appliance:
-        appliance.wait_ready()
+    with running_with_clients(Path(tmp_path_factory.mktemp("constraints")), CLIENTS) as appliance:
         yield appliance
 
 
 def chat(appliance: Appliance, who: str, **body: object) -> httpx.Response:
-    return httpx.post(f"{appliance.url}/v1/chat/completions", timeout=120,
-                      headers={"Authorization": f"Bearer sk-{who}"},
-                      json={"messages": HI, "max_tokens": 16} | body)
+    return chat_as(appliance, who, {"messages": HI, "max_tokens": 16} | body)
 
 
 def engine_generated(appliance: Appliance) -> float:

@@ -6,7 +6,6 @@ measured by load/fairness.py."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +16,10 @@ import httpx
 import pytest
 
 from supervisor.engine.stats import EngineStats, parse_engine_stats
-from tests.integration.harness import Appliance, running_appliance
+from tests.integration.harness import Appliance, as_client, chat_as, running_with_clients
 
 FLOOD_LIMIT = 2
-CLIENTS = [
+CLIENTS: list[dict[str, object]] = [
     {"name": "flood", "key": "sk-flood", "max_inflight": FLOOD_LIMIT, "priority": 5},
     {"name": "steady", "key": "sk-steady"},
     {"name": "metered", "key": "sk-metered", "tokens_per_minute": 100_000},
@@ -31,17 +30,13 @@ HI = [{"role": "user", "content": "Say hi."}]
 
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("fairness")),
-                           admission__clients=json.dumps(CLIENTS),
-                           engine__max_num_seqs="1") as appliance:
-        appliance.wait_ready()
+    with running_with_clients(Path(tmp_path_factory.mktemp("fairness")), CLIENTS,
+                              engine__max_num_seqs="1") as appliance:
         yield appliance
 
 
 def chat(appliance: Appliance, who: str, **body: object) -> httpx.Response:
-    return httpx.post(f"{appliance.url}/v1/chat/completions", timeout=120,
-                      headers={"Authorization": f"Bearer sk-{who}"},
-                      json={"messages": HI, "max_tokens": 8} | body)
+    return chat_as(appliance, who, {"messages": HI, "max_tokens": 8} | body)
 
 
 def test_a_flood_gets_429_naming_its_limit_while_another_client_is_served(fair: Appliance) -> None:
@@ -78,7 +73,7 @@ def until(condition: Callable[[], bool], within_s: float = 120) -> None:
 def messages(appliance: Appliance, who: str, max_tokens: int) -> httpx.Response:
     """Anthropic's route, the key in x-api-key as its SDK sends it."""
     model = httpx.get(f"{appliance.url}/v1/models", timeout=10,
-                      headers={"Authorization": f"Bearer sk-{who}"}).json()["data"][0]["id"]
+                      headers=as_client(who)).json()["data"][0]["id"]
     return httpx.post(f"{appliance.url}/v1/messages", timeout=120,
                       headers={"x-api-key": f"sk-{who}"},
                       json={"model": model, "messages": HI, "max_tokens": max_tokens,
@@ -124,7 +119,7 @@ def test_a_metered_stream_reaches_its_client_as_vllm_writes_it(fair: Appliance) 
 
     def stream(who: str) -> str:
         with httpx.stream("POST", f"{fair.url}/v1/chat/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer sk-{who}"}) as response:
+                          headers=as_client(who)) as response:
             assert response.status_code == 200
             return normalized(response.read().decode())
 

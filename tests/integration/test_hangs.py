@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance, worker_tree
+from tests.integration.harness import Appliance, long_stream, running_appliance, worker_tree
 
 GUARD_S = 20  # declared well before the old 34-47 s, with room for a loaded machine
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
@@ -112,21 +112,7 @@ def test_api_server_frozen_mid_stream_is_hung_at_its_first_unanswered_probe(
     the server neither answers nor runs; the stream ends with an error event."""
     appliance, _ = watched
     old = int(appliance.wait_ready()["pid"])
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        body = {"messages": STORY, "max_tokens": 1500, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
-                          timeout=180) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(60), "the stream never started"
+    reader, lines = long_stream(appliance, STORY, timeout_s=180)
     os.kill(old, signal.SIGSTOP)
     declared_s = declared_after(appliance, time.monotonic())
     reader.join(60)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,14 +13,14 @@ import httpx
 import pytest
 
 from supervisor.engine.stats import parse_engine_stats
-from tests.integration.harness import Appliance, running_appliance
+from tests.integration.harness import Appliance, as_client, running_with_clients
 from tests.metrics_text import value
 
 # A prompt of about 1,800 tokens: its prefill alone takes the engine a while on a CPU. The gate
 # counts it exactly (it may not fit the 2,048-token window with its budget).
 LONG_PROMPT_WORDS = 1800
 LEAVER_TOKENS_PER_MINUTE = 2500  # one abandoned long prompt leaves some, the second none
-CLIENTS = [
+CLIENTS: list[dict[str, object]] = [
     {"name": "owner", "key": "sk-owner"},
     {"name": "other", "key": "sk-other"},
     {"name": "leaver-json", "key": "sk-leaver-json",
@@ -33,16 +32,14 @@ CLIENTS = [
 
 @pytest.fixture(scope="module")
 def apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("isolation")),
-                           admission__clients=json.dumps(CLIENTS)) as appliance:
-        appliance.wait_ready()
+    with running_with_clients(Path(tmp_path_factory.mktemp("isolation")), CLIENTS) as appliance:
         yield appliance
 
 
 def call(appliance: Appliance, who: str, method: str, path: str,
          body: dict[str, object] | None = None) -> httpx.Response:
     return httpx.request(method, f"{appliance.url}{path}", json=body, timeout=120,
-                         headers={"Authorization": f"Bearer sk-{who}"})
+                         headers=as_client(who))
 
 
 def respond(appliance: Appliance, who: str, **body: object) -> httpx.Response:
@@ -99,7 +96,7 @@ async def leave_while_the_engine_works(appliance: Appliance, who: str, tag: int,
                                        stream: bool) -> None:
     """A stream is left as soon as its head arrives (the engine is still in the prompt's
     prefill: no event yet); a JSON request once the engine holds it."""
-    headers = {"Authorization": f"Bearer sk-{who}"}
+    headers = as_client(who)
     async with httpx.AsyncClient(base_url=appliance.url, timeout=120) as client:
         if stream:
             async with client.stream("POST", "/v1/chat/completions", json=long_chat(tag, True),

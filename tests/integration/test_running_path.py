@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import stat
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import psutil
 import pytest
 
 from supervisor.engine.worker import session_members
-from tests.integration.harness import Appliance, running_appliance, worker_tree
+from tests.integration.harness import Appliance, long_stream, running_appliance, worker_tree
 from tests.metrics_text import samples, value
 from tests.support.isolation import clean_env
 
@@ -110,24 +109,10 @@ def test_the_worker_listens_only_on_its_private_unix_socket(appliance: Appliance
     assert appliance.engine_get("/health").status_code == 200  # the service user's way in
 
 
-def _open_stream(appliance: Appliance, lines: list[str], started: threading.Event) -> None:
-    body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
-            "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
-                      timeout=120) as response:
-        for line in response.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-
-
 def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance) -> None:
     old_pid = appliance.worker_pid()
-    lines: list[str] = []
-    started = threading.Event()
-    reader = threading.Thread(target=_open_stream, args=(appliance, lines, started))
-    reader.start()
-    assert started.wait(60), "the stream never started"
+    story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+    reader, lines = long_stream(appliance, story, timeout_s=120)
 
     os.kill(old_pid, signal.SIGKILL)
     # The very first request after the kill is refused with a 503 the client can act on, not a

@@ -2,24 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from appliance.engine import Waiting, fingerprint
-
-SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
-
-
-@dataclass
-class Pending:
-    """An appliance.engine.Pending: what the relay registers of a request it sent."""
-
-    raw: bytes
-    target: str = "/v1/chat/completions"
-    stream: bool = True
-    client_name: str = "team-a"
-
-    def body(self) -> bytes:
-        return self.raw
+from tests.unit.appliance.pending import SECRET, Pending
 
 
 def test_waiting_counts_each_request_once_and_describes_it_without_its_body() -> None:

@@ -6,7 +6,8 @@ import asyncio
 import itertools
 import signal
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -407,51 +408,49 @@ class FakeGpu:
         return self.releases
 
 
-def make_gpu_manager(launcher: FakeLauncher, clock: FakeClock, gpu: FakeGpu) -> EngineManager:
-    return make_manager(launcher, clock, gpu=gpu)
+GpuRun = tuple[FakeClock, FakeLauncher, FakeGpu, EngineManager]
+
+
+@asynccontextmanager
+async def running_with_a_gpu(launcher: FakeLauncher | None = None,
+                             reached: EngineState = EngineState.READY) -> AsyncIterator[GpuRun]:
+    """A manager with a scripted GPU, run until it is `reached`; stopped and awaited after.
+    A failing test leaves it running, as it would without the helper."""
+    clock, workers, gpu = FakeClock(), launcher or FakeLauncher(), FakeGpu()
+    manager = make_manager(workers, clock, gpu=gpu)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is reached)
+    yield clock, workers, gpu, manager
+    manager.request_stop()
+    await task
 
 
 async def test_application_xid_restarts_the_worker_and_waits_for_its_memory() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.READY)
-    gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception)"
-    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
-    assert manager.last_exit is not None and manager.last_exit.reason == "gpu_app_error"
-    assert gpu.waited_for[0] == {100, 101}  # the whole old tree, before the new start
-    manager.request_stop()
-    await task
+    async with running_with_a_gpu() as (_clock, _launcher, gpu, manager):
+        gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception)"
+        await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+        assert manager.last_exit is not None and manager.last_exit.reason == "gpu_app_error"
+        assert gpu.waited_for[0] == {100, 101}  # the whole old tree, before the new start
 
 
 async def test_lost_gpu_fails_for_good_without_a_restart_loop() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.READY)
-    gpu.action, gpu.cause = "fail", "GPU is lost"
-    await until(lambda: manager.state is EngineState.FAILED)
-    clock.now += 100_000
-    for _ in range(200):
-        await asyncio.sleep(0)
-    assert manager.state is EngineState.FAILED and len(launcher.workers) == 1
-    assert manager.snapshot()["last_exit"]["detail"] == "GPU is lost"
-    manager.request_stop()
-    await task
+    async with running_with_a_gpu() as (clock, launcher, gpu, manager):
+        gpu.action, gpu.cause = "fail", "GPU is lost"
+        await until(lambda: manager.state is EngineState.FAILED)
+        clock.now += 100_000
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert manager.state is EngineState.FAILED and len(launcher.workers) == 1
+        assert manager.snapshot()["last_exit"]["detail"] == "GPU is lost"
 
 
 async def test_memory_still_held_after_stop_goes_failed_instead_of_starting() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.READY)
-    gpu.releases = False
-    launcher.current.exit(-signal.SIGKILL)
-    await until(lambda: manager.state is EngineState.FAILED)
-    assert len(launcher.workers) == 1
-    assert "still hold GPU memory" in manager.snapshot()["last_exit"]["detail"]
-    manager.request_stop()
-    await task
+    async with running_with_a_gpu() as (_clock, launcher, gpu, manager):
+        gpu.releases = False
+        launcher.current.exit(-signal.SIGKILL)
+        await until(lambda: manager.state is EngineState.FAILED)
+        assert len(launcher.workers) == 1
+        assert "still hold GPU memory" in manager.snapshot()["last_exit"]["detail"]
 
 
 @dataclass
@@ -500,17 +499,13 @@ async def test_a_hang_is_recorded_with_its_requests_its_live_processes_and_its_r
 
 async def test_a_gpu_fault_during_boot_is_known_at_once_not_at_the_startup_timeout() -> None:
     never_boots = FakeLauncher(lambda pid: FakeWorker(pid, boots=False))
-    clock, launcher, gpu = FakeClock(), never_boots, FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.STARTING)
-    gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception): worker fault"
-    await until(lambda: len(launcher.workers) == 2)
-    first = manager.snapshot()["recent_exits"][-1]
-    assert (first["phase"], first["reason"]) == ("boot", "gpu_app_error")
-    assert clock.now - 1000.0 < Settings().supervisor.startup_timeout_s
-    manager.request_stop()
-    await task
+    booting = running_with_a_gpu(never_boots, EngineState.STARTING)
+    async with booting as (clock, launcher, gpu, manager):
+        gpu.action, gpu.cause = "restart_worker", "xid 13 (graphics engine exception): worker fault"
+        await until(lambda: len(launcher.workers) == 2)
+        first = manager.snapshot()["recent_exits"][-1]
+        assert (first["phase"], first["reason"]) == ("boot", "gpu_app_error")
+        assert clock.now - 1000.0 < Settings().supervisor.startup_timeout_s
 
 
 def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() -> None:
@@ -523,28 +518,20 @@ def test_the_waiting_requests_the_monitors_read_are_the_ones_the_api_counts() ->
 
 
 async def test_an_ended_workers_last_xids_are_drained_before_the_next_worker_is_judged() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.READY)
-    launcher.current.exit(-signal.SIGKILL)
-    await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
-    second_life = gpu.log[gpu.log.index("settle"):]
-    assert second_life[:2] == ["settle", "new_worker"], "drained, then the new worker is watched"
-    manager.request_stop()
-    await task
+    async with running_with_a_gpu() as (_clock, launcher, gpu, manager):
+        launcher.current.exit(-signal.SIGKILL)
+        await until(lambda: manager.pid == 110 and manager.state is EngineState.READY)
+        second_life = gpu.log[gpu.log.index("settle"):]
+        assert second_life[:2] == ["settle", "new_worker"], \
+            "drained, then the new worker is watched"
 
 
 async def test_a_gpu_that_needs_a_reset_after_a_worker_ended_fails_naming_the_action() -> None:
-    clock, launcher, gpu = FakeClock(), FakeLauncher(), FakeGpu()
-    manager = make_gpu_manager(launcher, clock, gpu)
-    task = asyncio.create_task(manager.run())
-    await until(lambda: manager.state is EngineState.READY)
-    gpu.unfit = "xid 48 (double-bit ECC error): GPU unhealthy; stop chat-appliance, reset the GPU"
-    launcher.current.exit(-signal.SIGKILL)
-    await until(lambda: manager.state is EngineState.FAILED)
-    assert len(launcher.workers) == 1
-    last = manager.snapshot()["last_exit"]
-    assert last["reason"] == "gpu_fatal" and "reset the GPU" in last["detail"]
-    manager.request_stop()
-    await task
+    async with running_with_a_gpu() as (_clock, launcher, gpu, manager):
+        gpu.unfit = ("xid 48 (double-bit ECC error): GPU unhealthy; stop chat-appliance, "
+                     "reset the GPU")
+        launcher.current.exit(-signal.SIGKILL)
+        await until(lambda: manager.state is EngineState.FAILED)
+        assert len(launcher.workers) == 1
+        last = manager.snapshot()["last_exit"]
+        assert last["reason"] == "gpu_fatal" and "reset the GPU" in last["detail"]

@@ -23,23 +23,9 @@ from supervisor.forensics.bundles import Bundles
 from supervisor.forensics.command import crashes
 from supervisor.forensics.recorder import Recorder
 from supervisor.forensics.stacks import dump_stacks, proc_threads
+from tests.unit.appliance.pending import SECRET, Pending
 
 pytestmark = pytest.mark.anyio
-
-SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
-
-
-@dataclass
-class Pending:
-    """An appliance.engine.Pending: what the relay registers of a request it sent."""
-
-    raw: bytes
-    target: str = "/v1/chat/completions"
-    stream: bool = True
-    client_name: str = "team-a"
-
-    def body(self) -> bytes:
-        return self.raw
 
 
 @dataclass

@@ -12,18 +12,12 @@ from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import Activity
 from supervisor.monitors.stillness import Stillness
+from tests.unit.supervisor.monitors.clock import Clock
 
 pytestmark = pytest.mark.anyio
 
 SETTINGS = SupervisorSettings(health_interval_s=2, health_timeout_s=5, health_failures=3,
                               hang_stall_s=5, hang_cpu_floor=0.02)
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -12,6 +12,7 @@ from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
 from supervisor.monitors.progress import Activity, ProgressMonitor
 from supervisor.monitors.stillness import Stillness
+from tests.unit.supervisor.monitors.clock import Clock
 
 pytestmark = pytest.mark.anyio
 
@@ -46,13 +47,6 @@ class Engine:
             return None
         self.thread_reads += threads
         return Activity(self.cpu, self.runnable if threads else 0)
-
-
-class Clock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
