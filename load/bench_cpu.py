@@ -87,12 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def start(workdir: Path, engine_port: int | None = None) -> tuple[Service, str]:
-    """serve with the real worker (on `engine_port`, else a free one) and its URL."""
+    """serve with the real worker and its URL: on its private Unix socket, or, where the
+    caller reads the worker itself, on loopback `engine_port`."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port or free_port()),
+        "CHAT_APPLIANCE_ENGINE__LISTEN": "unix" if engine_port is None else "tcp",
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "PYTHONPATH": str(ROOT),

@@ -207,13 +207,12 @@ def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple
 def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
     """A prompt of `tokens` tokens: how long before its answer, whether the worker stayed,
     and the worker's own /metrics each second while it ran (what a watch can see of it)."""
-    engine = f"http://127.0.0.1:{appliance.engine_port}"
-    model = httpx.get(f"{engine}/v1/models", timeout=10).json()["data"][0]["id"]
-    ids = httpx.post(f"{engine}/tokenize", timeout=60, json={
+    model = appliance.engine_get("/v1/models").json()["data"][0]["id"]
+    ids = appliance.engine_call("POST", "/tokenize", timeout_s=60, json={
         "model": model, "prompt": "hello world " * tokens,
         "add_special_tokens": False}).json()["tokens"][:tokens]
-    prompt = httpx.post(f"{engine}/detokenize", timeout=60,
-                        json={"model": model, "tokens": ids}).json()["prompt"]
+    prompt = appliance.engine_call("POST", "/detokenize", timeout_s=60, json={
+        "model": model, "tokens": ids}).json()["prompt"]
     answers: list[httpx.Response] = []
     began = time.monotonic()
     sender = threading.Thread(target=lambda: answers.append(httpx.post(
@@ -223,7 +222,7 @@ def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
     seen = []
     while sender.is_alive():
         with contextlib.suppress(httpx.HTTPError):
-            stats = parse_engine_stats(httpx.get(f"{engine}/metrics", timeout=5).text)
+            stats = parse_engine_stats(appliance.engine_get("/metrics", timeout_s=5).text)
             seen.append((round(time.monotonic() - began), stats.running, stats.waiting,
                          stats.prompt_tokens, stats.iterations, tree_cpu_s(pid)))
         time.sleep(1)

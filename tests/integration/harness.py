@@ -86,7 +86,7 @@ class Appliance:
 
     def engine_stats(self) -> EngineStats:
         """The worker's own counters (its /metrics), not the appliance's view of them."""
-        text = httpx.get(f"http://127.0.0.1:{self.engine_port}/metrics", timeout=10).text
+        text = self.engine_get("/metrics").text
         return parse_engine_stats(text)
 
     def generated_until_idle(self, before: EngineStats) -> float:

@@ -30,7 +30,7 @@ def chat(appliance: Appliance, who: str, **body: object) -> httpx.Response:
 
 
 def engine_generated(appliance: Appliance) -> float:
-    text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text
+    text = appliance.engine_get("/metrics", timeout_s=5).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total"))
 

@@ -148,10 +148,9 @@ def test_a_long_prefill_is_not_a_hang(watched: tuple[Appliance, Path]) -> None:
     worker with no token for as long as the prefill runs: the same worker answers it."""
     appliance, _ = watched
     before = appliance.wait_ready()
-    engine = f"http://127.0.0.1:{appliance.engine_port}"
     ids = list(range(1000, 1000 + 1900))  # ordinary vocabulary ids: about 1900 prompt tokens
-    prompt = httpx.post(f"{engine}/detokenize", timeout=60,
-                        json={"model": _model(appliance), "tokens": ids}).json()["prompt"]
+    prompt = appliance.engine_call("POST", "/detokenize", timeout_s=60, json={
+        "model": _model(appliance), "tokens": ids}).json()["prompt"]
     response = httpx.post(f"{appliance.url}/v1/completions", timeout=600,
                           json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
     after = appliance.health().json()

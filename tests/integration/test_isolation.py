@@ -74,7 +74,7 @@ def test_a_stored_response_is_reached_only_by_its_own_client(apart: Appliance) -
 
 
 def engine_busy(appliance: Appliance) -> bool:
-    text = httpx.get(f"http://127.0.0.1:{appliance.engine_port}/metrics", timeout=5).text
+    text = appliance.engine_get("/metrics", timeout_s=5).text
     return parse_engine_stats(text).busy
 
 
