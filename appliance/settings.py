@@ -92,6 +92,9 @@ class ServerSettings(_Group):
     max_headers: int = Field(100, ge=8)
     max_connections: int = Field(1024, ge=1)
     idle_timeout_s: int = Field(30, ge=1)
+    # On stop, after the drain: how long client connections get to close. A TLS peer that never
+    # answers the close (an idle kept-alive client) would hold the stop for asyncio's 30 s.
+    close_timeout_s: float = Field(2.0, gt=0)
     # TLS on the API port: both or neither; re-read on reload (certificate rotation).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None

@@ -154,6 +154,7 @@ async def serve(settings: Settings) -> int:
     server = ApiServer(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,
                                     lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
+                                    timeout_graceful_shutdown=settings.server.close_timeout_s,
                                     proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
                                     server_header=False,
                                     # With a certificate the port speaks TLS only: uvicorn

@@ -56,6 +56,9 @@ NAMESPACE_SCRIPT = r"""
 set -eu
 mount --make-rprivate /
 mount --bind "$CA_WORK" /mnt
+# The checkout may itself be under /tmp (CI clones there): keep it in sight of the install.
+mkdir -p /mnt/checkout
+mount --bind "$CA_CHECKOUT" /mnt/checkout
 mount -t tmpfs -o mode=1777 ca-tmp /tmp
 mount -t tmpfs -o mode=1777 ca-var-tmp /var/tmp
 mount -t tmpfs -o mode=755 ca-run /run
@@ -78,7 +81,7 @@ if [ -n "$CA_ROOT_BINDS" ]; then
         mount -o remount,bind,ro "$path"
     done
 fi
-cd "$CA_CHECKOUT"
+cd /mnt/checkout
 bash install.sh --system >/mnt/install.log 2>&1 ||
     { echo "install.sh failed: $?" >>/mnt/install.log; exit 1; }
 mkdir -p /run/systemd/system/chat-appliance.service.d

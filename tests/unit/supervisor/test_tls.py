@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -163,3 +164,16 @@ def test_the_fingerprint_is_the_one_openssl_prints(tmp_path: Path) -> None:
     printed = subprocess.run(["openssl", "x509", "-noout", "-fingerprint", "-sha256", "-in",
                               str(cert)], capture_output=True, text=True, check=True).stdout
     assert printed.strip().split("=", 1)[1] == fingerprint(cert)
+
+
+def test_an_idle_tls_client_does_not_hold_the_stop(tmp_path: Path) -> None:
+    """A kept-alive client that never answers the TLS close: the stop goes on after
+    server.close_timeout_s, not after asyncio's 30 s wait for the peer's close_notify."""
+    cert, key = self_signed(tmp_path, "stop")
+    settings = {"server.tls_certfile": str(cert), "server.tls_keyfile": str(key)}
+    with running_stack(tmp_path, settings, ("--tokens", "4")) as stack:
+        _, idle = presented(stack)
+        with idle:
+            assert get_livez(idle).startswith(b"HTTP/1.1 200")  # kept alive, never read again
+            stack.proc.send_signal(signal.SIGTERM)
+            assert stack.proc.wait(timeout=20) == 0
