@@ -94,7 +94,7 @@ class ServerSettings(_Group):
     idle_timeout_s: int = Field(30, ge=1)
     # On stop, after the drain: how long client connections get to close. A TLS peer that never
     # answers the close (an idle kept-alive client) would hold the stop for asyncio's 30 s.
-    close_timeout_s: float = Field(2.0, gt=0)
+    close_timeout_s: int = Field(2, ge=1)  # whole seconds: uvicorn takes an int
     # TLS on the API port: both or neither; re-read on reload (certificate rotation).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
