@@ -85,10 +85,15 @@ def test_reload_command_rotates_the_key_and_the_request_in_flight_finishes(
     in_flight.join(30)
     assert len(lines) == 41 and lines[-1] == "data: [DONE]"
     # In order: the new table was in force before the old key's stream finished.
+    # The request's line is written just after its answer went out: wait for it.
+    def finished_ok(e: dict[str, object]) -> bool:
+        return (e.get("event") == "request.completed"
+                and e.get("route") == "/v1/chat/completions" and e.get("status") == 200)
+
+    assert appliance.wait_for_event(finished_ok) is not None
     events = appliance.log_events()
     reloaded = next(i for i, e in enumerate(events) if e.get("event") == "clients.reloaded")
-    finished = next(i for i, e in enumerate(events) if e.get("event") == "request.completed"
-                    and e.get("route") == "/v1/chat/completions" and e.get("status") == 200)
+    finished = next(i for i, e in enumerate(events) if finished_ok(e))
     assert reloaded < finished, "the stream had finished before the reload: nothing was in flight"
 
 

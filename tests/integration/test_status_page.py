@@ -103,7 +103,7 @@ def test_a_prompt_streams_its_answer_into_the_page_token_by_token(
     assert answer(page).strip()
     request_id = page.text("request-id")
     assert re.fullmatch(r"[0-9a-f]{32}", request_id), request_id
-    logged = [e for e in appliance.log_events() if e.get("request_id") == request_id]
+    logged = appliance.wait_for_event(lambda e: e.get("request_id") == request_id)
     assert logged, "the id shown is the one the appliance's log lines carry"
     snapshot(appliance, page, artefacts, "2-answered")
     assert page.errors() == []
