@@ -361,6 +361,20 @@ class CrashSettings(_Group):
         return Path(root) / "chat-appliance" / "crashes"
 
 
+class ResumeSettings(_Group):
+    """What an engine fault costs a request: a pause, not an error (docs/DESIGN.md, recovery).
+
+    A request whose client has received nothing yet is sent again to the restarted engine; a
+    stream that already sent tokens continues from where it stopped. A request that was in
+    flight at `quarantine_after` engine deaths is not sent again (`request_quarantined`)."""
+
+    enabled: bool = True
+    max_wait_s: float = Field(60.0, gt=0)  # for the engine to be back, per fault
+    quarantine_after: int = Field(2, ge=1)  # engine deaths a request (fingerprint) was in flight at
+    quarantine_ttl_s: float = Field(3600.0, gt=0)  # how long a fingerprint's deaths are remembered
+    max_quarantined: int = Field(1024, ge=1)  # fingerprints remembered, the oldest forgotten
+
+
 class LoggingSettings(_Group):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -385,6 +399,7 @@ class Settings(BaseSettings):
     status: StatusSettings = Field(default_factory=StatusSettings)
     doctor: DoctorSettings = Field(default_factory=DoctorSettings)
     crashes: CrashSettings = Field(default_factory=CrashSettings)
+    resume: ResumeSettings = Field(default_factory=ResumeSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod
