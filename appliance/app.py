@@ -68,7 +68,7 @@ def create_app(
     clients = clients or Roster.from_settings(settings)
     upstream = Upstream(engine.base_url, Limits.of(settings.server), engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
-    relay = RelayDeps(engine, admission, gate, upstream, metrics)
+    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume)
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),

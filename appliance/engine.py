@@ -101,9 +101,23 @@ class EngineView(Protocol):
         """How long a client should wait before trying again while the engine is not ready."""
         ...
 
+    @property
+    def serial(self) -> int:
+        """Counts the workers started: a new one serving after a fault has a higher number."""
+        ...
+
+    @property
+    def stop_requested(self) -> bool:
+        """The supervisor is stopping: no worker will be started again."""
+        ...
+
     def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` once if the current worker stops serving (crash, hang, stop);
         returns the function that cancels the subscription."""
+        ...
+
+    async def changed(self, timeout_s: float) -> None:
+        """Returns at the engine's next change of state, or after `timeout_s`."""
         ...
 
     def snapshot(self) -> dict[str, Any]:

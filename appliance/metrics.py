@@ -64,6 +64,11 @@ class RequestMetrics:
         self.disconnects = Counter("appliance_client_disconnects",
                                    "Requests the client abandoned; upstream aborted.",
                                    ["stream"], registry=r)
+        self.outlived = Counter("appliance_engine_faults_outlived",
+                                "Requests that met an engine fault and went on on the new "
+                                "worker: replayed (nothing had reached the client) or resumed "
+                                "(a stream continued where it stopped).", ["route", "how"],
+                                registry=r)
         self.unhandled_exceptions = Counter("appliance_unhandled_exceptions",
                                             "Requests that failed on a bug of the appliance.",
                                             ["route"], registry=r)

@@ -18,6 +18,7 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import WorkerRoute
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
+from appliance.recovery.stream import StreamRecord
 
 if TYPE_CHECKING:
     from appliance.gate.gate import Gate
@@ -61,6 +62,9 @@ class Outbound(Protocol):
     @property
     def refine(self) -> Refine | None: ...
 
+    @property
+    def record(self) -> StreamRecord | None: ...  # what its stream keeps to go on after a fault
+
     def body(self) -> bytes | None: ...
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
@@ -86,6 +90,7 @@ class PassThrough:
     usage_added: bool = False
     client_name: str = ""  # a pass-through is nobody's work: no slot, not metered
     prompt_tokens: None = None
+    record: None = None  # nothing generated: a pass-through is sent again whole
 
     @property
     def shape(self) -> ErrorShape:

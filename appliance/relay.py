@@ -9,8 +9,9 @@ answer, after it the protocol's own stream ending, so no request is left without
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -23,9 +24,13 @@ from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
 from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
 from appliance.fences.uvicorn import ClientLink, client_link
+from appliance.fences.vllm import ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound
+from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
+from appliance.recovery.stream import Continuation
+from appliance.settings import ResumeSettings
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -33,6 +38,7 @@ PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
 log = structlog.get_logger("appliance.relay")
 
 _NO_CACHE = (b"cache-control", b"no-cache")
+_ENGINE_DEAD = ENGINE_DEAD_MESSAGE.encode()
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class RelayDeps:
     gate: Gate
     upstream: Upstream
     metrics: RequestMetrics
+    resume: ResumeSettings
 
 
 class Watch:
@@ -52,10 +59,14 @@ class Watch:
     The client's connection tells through its ClientLink where the server gives one; under
     any other ASGI server a task waits in `receive()` for the disconnect."""
 
-    def __init__(self, receive: Receive, engine: EngineView, link: ClientLink | None) -> None:
+    def __init__(self, receive: Receive, engine: EngineView, link: ClientLink | None,
+                 on_engine_lost: Callable[[], None] | None = None) -> None:
         self._receive = receive
         self._engine = engine
         self._link = link
+        # Where the request may outlive the engine, its loss breaks the exchange instead: the
+        # relay hears it where it reads the worker, and sends the request on to the next one.
+        self._on_engine_lost = on_engine_lost
         self.reason: str | None = None
         self._armed = False
         self._forget_client: Callable[[], object] = _nothing
@@ -76,10 +87,16 @@ class Watch:
         self.disarm()
         self._forget_client()
         self._forget_engine()
+        self._on_engine_lost = None  # it calls back into the relay that holds this watch
 
     def disarm(self) -> None:
         """No cancellation from here on: the answer is complete or being completed."""
         self._armed = False
+
+    def follow_engine(self) -> None:
+        """Watch the worker now serving (a loss is told once per worker)."""
+        self._forget_engine()
+        self._forget_engine = self._engine.on_lost(self._engine_lost)
 
     async def _listen(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
@@ -90,6 +107,9 @@ class Watch:
         self._fire("client_disconnected")
 
     def _engine_lost(self) -> None:
+        if self._on_engine_lost is not None and self._armed:
+            self._on_engine_lost()
+            return
         self._fire("engine_lost")
 
     def _fire(self, reason: str) -> None:
@@ -113,29 +133,28 @@ class Relay:
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = outbound.shape
         self._so_far = StreamSoFar(outbound.payload)  # what a stream's ending must know
+        self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
+        self._relayed_any = False  # and some of the body: the request can no longer start over
         self._sending = False  # a chunk is on its way through ASGI: none may pass it
         self._first_at: float | None = None  # the request's arrival, until the first chunk
+        self._reply: Reply | None = None  # the worker's answer being read
+        self._exits: contextlib.AsyncExitStack | None = None  # the exchanges this answer used
+        self._original: Continuation | None = None  # the request as first sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
         self._route = str(scope.get("path_template") or scope["path"])
         self._link = client_link(scope)
         self._arrived = arrived_at(scope)
-        watch = Watch(receive, deps.engine, self._link)
+        self._watch = watch = Watch(receive, deps.engine, self._link,
+                                    self._break if deps.resume.enabled else None)
         outbound = self._outbound
         try:
             with watch:
-                async with outbound.slot(deps.admission) as meter:
-                    # Counted as work the worker owes until its answer is all read, so that
-                    # the supervisor sees it even when the worker's own gauges froze.
-                    waiting = deps.engine.waiting
-                    waiting.add(self, self._request_id, outbound)
-                    try:
-                        await outbound.fit_budget(deps.gate)
-                        last = await self._exchange(send, watch, meter)
-                    finally:
-                        waiting.discard(self)
+                async with outbound.slot(deps.admission) as meter, \
+                        contextlib.AsyncExitStack() as self._exits:
+                    last = await self._answer(send, watch, meter)
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
                 await send(last)
@@ -148,50 +167,152 @@ class Relay:
             await self._fail(send, error)
         except Exception as exc:  # a bug of ours: one log line with the traceback, a 500
             await self._fail(send, internal_error(exc))
+        finally:
+            # The reply's sink calls back into the relay: no cycle is left for the collector.
+            self._reply = self._exits = None
 
-    async def _exchange(self, send: Send, watch: Watch, meter: Meter) -> Message:
-        """Relays the answer but its last message, which it returns."""
+    async def _answer(self, send: Send, watch: Watch, meter: Meter) -> Message:
+        """The exchange, sent again to the next worker after each engine fault it can outlive
+        before its head reached the client (a stream's later faults: see _from_worker)."""
         outbound, deps = self._outbound, self._deps
-        body = outbound.body()
+        waiting = deps.engine.waiting
+        request: Continuation | None = None
+        while True:
+            serial = deps.engine.serial
+            # Counted as work the worker owes until its answer is all read, so that the
+            # supervisor sees it even when the worker's own gauges froze.
+            waiting.add(self, self._request_id, outbound)
+            try:
+                if request is None:
+                    await outbound.fit_budget(deps.gate)
+                    request = self._original = Continuation(outbound.target, outbound.body())
+                return await self._exchange(send, watch, meter, request, serial)
+            except ApiError as error:
+                if self._started or not self._outlives(error):
+                    raise
+                await self._recover(error, serial, "replayed")  # then the same request again
+            finally:
+                waiting.discard(self)
+
+    async def _exchange(self, send: Send, watch: Watch, meter: Meter, request: Continuation,
+                        serial: int) -> Message:
+        """Relays the answer but its last message, which it returns."""
+        outbound = self._outbound
+        meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
+        reply = await self._send(request, meter)
+        if outbound.stream:
+            return await self._stream(send, reply, watch, meter, serial)
+        body = await reply.read()
+        meter.read_body(body)
+        await self._head(send, reply)
+        watch.disarm()
+        return {"type": "http.response.body", "body": body, "more_body": False}
+
+    async def _send(self, request: Continuation, meter: Meter) -> Reply:
+        """The request to the worker, its exchange open until the answer ends; its head."""
+        outbound = self._outbound
         headers = {"x-request-id": self._request_id, **self._forward}
-        if body is not None:
+        if request.body is not None:
             headers["content-type"] = "application/json"
         if outbound.priority is not None:  # vLLM reads it on every generation route
             headers[PRIORITY_HEADER] = str(outbound.priority)
-        meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
-        async with deps.upstream.exchange(outbound.method, outbound.target, body, headers) as reply:
-            if reply.status >= 300:
-                meter.refused()
-                error = upstream_error(reply.status, await reply.read())
-                raise outbound.refine(error) if outbound.refine is not None else error
-            if outbound.stream:
-                return await self._stream(send, reply, watch, meter)
-            body = await reply.read()
-            meter.read_body(body)
-            await self._head(send, reply)
-            watch.disarm()
-            return {"type": "http.response.body", "body": body, "more_body": False}
+        assert self._exits is not None
+        self._reply = reply = await self._exits.enter_async_context(self._deps.upstream.exchange(
+            outbound.method, request.target, request.body, headers))
+        if reply.status >= 300:
+            error = upstream_error(reply.status, await reply.read())
+            if engine_fault(error):
+                raise error
+            meter.refused()
+            raise outbound.refine(error) if outbound.refine is not None else error
+        return reply
 
-    async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter) -> Message:
+    async def _stream(self, send: Send, reply: Reply, watch: Watch, meter: Meter,
+                      serial: int) -> Message:
         self._first_at = self._arrived  # time to first token counts the queue and the prefill
+        self._reply = reply
         await self._head(send, reply)
-        if self._link is not None and not meter.enabled:
-            # Each event straight from the worker's connection to the client's while the
-            # client keeps up; what it cannot take yet comes through the loop below.
-            reply.forward(self._write_direct)
+        self._direct(reply, meter)
         held = b""  # once the whole answer is here, the last of it goes out with the end
-        async for chunk in meter.tap(reply.chunks(), strip=self._outbound.usage_added):
+        source = self._from_worker(reply, serial, meter)
+        async for chunk in meter.tap(source, strip=self._outbound.usage_added):
+            if not chunk:
+                continue
             self._relayed(chunk)
             if held:
                 await self._send_chunk(send, held)
                 held = b""
-            if reply.complete:  # nothing is left to wait for: one write, not two
+            if self._reply is None or self._reply.complete:  # nothing is left to wait for
                 watch.disarm()  # the engine owes nothing more; what is here is delivered
                 held = chunk
                 continue
             await self._send_chunk(send, chunk)
         watch.disarm()
         return {"type": "http.response.body", "body": held, "more_body": False}
+
+    def _direct(self, reply: Reply, meter: Meter) -> None:
+        if self._link is not None and not meter.enabled:
+            # Each event straight from the worker's connection to the client's while the
+            # client keeps up; what it cannot take yet comes through the loop in _stream.
+            reply.forward(self._write_direct)
+
+    async def _from_worker(self, reply: Reply, serial: int, meter: Meter) -> AsyncIterator[bytes]:
+        """The stream's bytes from the worker as the client gets them, across engine faults:
+        after each, the rest comes from the next worker (the request again if the client has
+        had nothing of it, else its continuation); an end when the stream already had its
+        last token."""
+        while True:
+            try:
+                async for chunk in reply.chunks():
+                    if _ENGINE_DEAD in chunk:  # the worker's own error event: its engine died
+                        raise engine_died()
+                    yield self._record.take(chunk) if self._record is not None else chunk
+                return
+            except ApiError as error:
+                if not self._outlives(error):
+                    raise
+                if self._record is not None and self._relayed_any and self._record.finished:
+                    yield self._record.tail()
+                    self._reply = None
+                    return
+                resumed = self._relayed_any
+                await self._recover(error, serial, "resumed" if resumed else "replayed")
+                assert self._original is not None
+                request = (self._record.continuation() if resumed and self._record is not None
+                           else self._original)
+            serial = self._deps.engine.serial
+            reply = await self._send(request, meter)
+            self._direct(reply, meter)
+
+    def _outlives(self, error: ApiError) -> bool:
+        """Whether the request may outlive this failure: an engine fault, with resume on."""
+        return self._deps.resume.enabled and self._watch.reason is None and engine_fault(error)
+
+    async def _recover(self, error: ApiError, serial: int, how: str) -> None:
+        """Waits out the engine fault `error` told of, until a new worker serves. Raises `error`
+        where the request cannot go on: the client has part of a stream that cannot be
+        continued, or no new worker serves in time."""
+        deps, record = self._deps, self._record
+        if self._relayed_any and (record is None or not record.resumable):
+            raise error
+        engine = deps.engine
+        log.info("request.engine_fault", error=error.code, worker=serial, how=how)
+        deadline = time.monotonic() + deps.resume.max_wait_s
+        if not await loss_confirmed(engine, serial, deps.resume.max_wait_s):
+            raise error
+        # In flight at the death (the supervisor has read it); no work of the next worker yet.
+        engine.waiting.discard(self)
+        if not await engine_back(engine, serial, deadline - time.monotonic()):
+            raise error
+        self._watch.follow_engine()
+        engine.waiting.add(self, self._request_id, self._outbound)
+        deps.metrics.outlived.labels(route=self._route, how=how).inc()
+        log.info("request.outlived_engine_fault", how=how, worker=engine.serial)
+
+    def _break(self) -> None:
+        """The engine was declared lost: the exchange under way fails where it is read."""
+        if self._reply is not None:
+            self._reply.abort()
 
     async def _send_chunk(self, send: Send, chunk: bytes) -> None:
         self._sending = True
@@ -201,16 +322,22 @@ class Relay:
             self._sending = False
 
     def _write_direct(self, chunk: bytes) -> bool:
-        assert self._link is not None
-        if self._sending or not self._link.write(chunk):
-            return False
-        self._relayed(chunk)
+        link = self._link
+        assert link is not None
+        if self._sending or _ENGINE_DEAD in chunk or not link.writable():
+            return False  # the loop takes it (an engine's death is its to handle)
+        if self._record is not None:
+            chunk = self._record.take(chunk)
+        if chunk:
+            link.write(chunk)
+            self._relayed(chunk)
         return True
 
     def _relayed(self, chunk: bytes) -> None:
         if self._first_at is not None:
             self._deps.metrics.first_token(self._route, time.perf_counter() - self._first_at)
             self._first_at = None
+        self._relayed_any = True
         self._so_far.relayed(chunk)
 
     async def _head(self, send: Send, reply: Reply) -> None:
@@ -242,7 +369,7 @@ class Relay:
             await error_answer(error, self._shape, self._request_id, metrics,
                                route=self._route).send(send)
         except OSError:
-            log.info("request.client_gone_before_error")  # nothing left to tell anyone
+            log.info("request.client_gone_before_error")  # nothing left to tell anyway
 
 
 def _encode_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:

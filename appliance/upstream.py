@@ -233,6 +233,12 @@ class Reply:
         parts.append(conn.take())
         return b"".join(parts)
 
+    def abort(self) -> None:
+        """Break the exchange: whoever reads the answer gets engine_lost (the engine was declared
+        lost while the worker's socket may still be open, a hung worker's for one)."""
+        self._conn.sink = None
+        self._conn.close()
+
     def forward(self, sink: Callable[[bytes], bool]) -> None:
         """From now on what each read of the worker carries goes to `sink` in one piece, unless
         the sink says False, chunks wait in the buffer, or the answer ended in that read;

@@ -141,3 +141,16 @@ MP_CONTEXT_MODULE = "vllm.utils.system_utils"
 MP_CONTEXT_FUNCTION = "get_mp_context"
 # `current_platform.is_cpu()` here says whether the engine runs on the CPU.
 PLATFORMS_MODULE = "vllm.platforms"
+
+# What vLLM's API server answers for a request in flight when its engine core died (a 500, or a
+# stream's error event), before it exits (vllm/v1/engine/exceptions.py, EngineDeadError).
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
+
+
+class TokenIds:
+    """The request field that makes chat and completions streams carry their token ids, and the
+    fields that carry them (the prompt's once, then each event's generated ids)."""
+
+    REQUEST = "return_token_ids"
+    PROMPT = "prompt_token_ids"
+    GENERATED = "token_ids"

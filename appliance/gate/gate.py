@@ -25,11 +25,13 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import GenerationApi
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
+from appliance.fences.vllm import TokenIds
 from appliance.gate.budget import BudgetFitter
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
+from appliance.recovery.stream import StreamRecord
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
@@ -55,6 +57,7 @@ class Vetted:
     usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
     prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
+    record: StreamRecord | None = None  # what its stream keeps to go on after an engine fault
 
     @property
     def shape(self) -> ErrorShape:
@@ -126,7 +129,19 @@ class Gate:
         vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
                         client=client)
         self._apply_client(vetted)
+        if self._settings.resume.enabled:
+            self._keep_record(vetted)
         return vetted
+
+    def _keep_record(self, vetted: Vetted) -> None:
+        """A stream that can be continued after an engine fault asks for its token ids."""
+        record = vetted.api.stream_record(vetted.payload, self._settings)
+        if record is None:
+            return
+        vetted.record = record
+        if vetted.payload.get(TokenIds.REQUEST) is not True:
+            vetted.payload[TokenIds.REQUEST] = True
+            vetted.changed = True
 
     def _apply_client(self, vetted: Vetted) -> None:
         """The client's own rules: its max_tokens ceiling, its priority, its usage meter."""

@@ -98,6 +98,7 @@ class EngineManager:
         self._lost_callbacks: dict[int, Callable[[], None]] = {}
         self._next_subscription = 0
         self._wake = asyncio.Event()
+        self._changed = asyncio.Event()  # set, and replaced, at each change of state
         self._stop_requested = False
         self._started_at = clock()
         self._ready_since: float | None = None
@@ -137,6 +138,15 @@ class EngineManager:
         if self._retry_at is None:
             return floor
         return max(floor, min(600, round(self._retry_at - self._clock())))
+
+    @property
+    def serial(self) -> int:
+        return self._serial
+
+    async def changed(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
 
     def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
         key = self._next_subscription
@@ -192,6 +202,12 @@ class EngineManager:
     def request_stop(self) -> None:
         self._stop_requested = True
         self._wake.set()
+        self._pulse()
+
+    def _pulse(self) -> None:
+        """Wakes whoever waits in changed()."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def run(self) -> None:
         """Keep a worker serving until request_stop(); returns once the worker is stopped."""
@@ -400,6 +416,7 @@ class EngineManager:
         if old is new:
             return
         self._state = new
+        self._pulse()
         self.transition_counts[new.value] += 1
         log.info("engine.state", old=old.value, new=new.value, cause=cause)
         for listener in self.listeners:

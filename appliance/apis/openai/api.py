@@ -16,8 +16,10 @@ from appliance.apis.counting import (
     PromptCounter,
     chat_bound,
 )
+from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
 from appliance.apis.shape import StreamSoFar
 from appliance.errors import ApiError
+from appliance.fences.vllm import TokenIds
 from appliance.policy import fields
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
 from appliance.settings import Settings
@@ -73,6 +75,13 @@ class ChatApi(ConversationApi):
                            counter: PromptCounter) -> int | None:
         return await counter.tokenize({k: body[k] for k in TEMPLATE_KEYS if k in body})
 
+    def stream_record(self, body: Mapping[str, Any], settings: Settings) -> ChatRecord | None:
+        """A plain text stream, its reasoning not parsed apart (the parser's state is the
+        worker's): see appliance/apis/openai/resume.py."""
+        if settings.engine.reasoning_parser or self.media(body) or not plain_stream(body):
+            return None
+        return ChatRecord(body, ids_visible=body.get(TokenIds.REQUEST) is True)
+
 
 class CompletionApi(GenerationApi):
     """/v1/completions: a raw prompt, a list of them, or token ids; counted by /tokenize."""
@@ -96,6 +105,16 @@ class CompletionApi(GenerationApi):
 
     def one_prompt(self, body: Mapping[str, Any]) -> bool:
         return isinstance(body.get("prompt"), str)
+
+    def stream_record(self, body: Mapping[str, Any], settings: Settings
+                      ) -> CompletionRecord | None:
+        """A plain stream of one prompt (text, or token ids): see appliance/apis/openai/resume.py."""
+        prompt = body.get("prompt")
+        single = isinstance(prompt, str) or (
+            isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+        if not single or not plain_stream(body):
+            return None
+        return CompletionRecord(body, ids_visible=body.get(TokenIds.REQUEST) is True)
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:

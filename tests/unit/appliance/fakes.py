@@ -30,9 +30,24 @@ class FakeEngine:
     model_name: str = "synthetic"
     _lost: dict[int, Callable[[], None]] = field(default_factory=dict)
     waiting: Waiting = field(default_factory=Waiting)
+    serial: int = 1  # the worker serving
+    stop_requested: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def retry_after_s(self) -> int:
         return 7
+
+    async def changed(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
+
+    def set_state(self, state: EngineState, serial: int | None = None) -> None:
+        """A change of state (and of worker) as the manager makes it."""
+        self.state = state
+        self.serial = self.serial if serial is None else serial
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
         key = id(callback)

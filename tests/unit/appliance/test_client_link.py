@@ -16,6 +16,7 @@ import httptools
 import pytest
 
 from appliance.fences.uvicorn import ClientLink
+from appliance.settings import ResumeSettings
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio
@@ -25,15 +26,16 @@ CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[bool]]:
-    """What each direct write said: True written, False left to ASGI (client not keeping up)."""
+    """What the link said each time the relay asked to write directly: True written, False
+    left to ASGI (the client not keeping up)."""
     seen: Counter[bool] = Counter()
-    write = ClientLink.write
+    writable = ClientLink.writable
 
-    def counted(self: ClientLink, body: bytes) -> bool:
-        seen[result := write(self, body)] += 1
+    def counted(self: ClientLink) -> bool:
+        seen[result := writable(self)] += 1
         return result
 
-    monkeypatch.setattr(ClientLink, "write", counted)
+    monkeypatch.setattr(ClientLink, "writable", counted)
     yield seen
 
 
@@ -165,7 +167,7 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
     from appliance.metrics import RequestMetrics
     from appliance.relay import Relay
 
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link, relay._arrived = "/v1/chat/completions", None, time.perf_counter()
 
@@ -184,7 +186,7 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
 
     disarmed: list[bool] = []
     last = await relay._stream(send, Reply(), SimpleNamespace(  # type: ignore[arg-type]
-        disarm=lambda: disarmed.append(True)), Meter(False))
+        disarm=lambda: disarmed.append(True)), Meter(False), 1)
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert bodies == [b"data: 1\n\n"] and disarmed
     assert last == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
@@ -201,7 +203,7 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     from appliance.relay import Relay
 
     cycle = Cycle()
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()))
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
     relay._arrived = time.perf_counter()
@@ -223,7 +225,7 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
             while_sending.append(reply.sink(b"data: second\n\n"))  # type: ignore[misc]
 
     last = await relay._stream(send, reply, SimpleNamespace(disarm=lambda: None),  # type: ignore[arg-type]
-                               Meter(False))
+                               Meter(False), 1)
     assert while_sending == [False] and cycle.written == []
     assert last == {"type": "http.response.body", "body": b"", "more_body": False}
 

@@ -23,6 +23,7 @@ from appliance.gate.gate import Vetted
 from appliance.metrics import RequestMetrics
 from appliance.outbound import PassThrough
 from appliance.relay import Relay, RelayDeps
+from appliance.settings import ResumeSettings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine
 
@@ -116,7 +117,7 @@ class Client:
 
 
 class Setup:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, resume: bool = False) -> None:
         self.engine = FakeEngine("http://127.0.0.1:9")
         self.admission = Admission(1)
         self.metrics = RequestMetrics(CollectorRegistry())
@@ -125,7 +126,7 @@ class Setup:
         self.gate = Gate(self.admission)
         self.client = Client(self.admission)
         self.deps = RelayDeps(self.engine, self.admission, self.gate, worker,  # type: ignore[arg-type]
-                              self.metrics)
+                              self.metrics, ResumeSettings(enabled=resume, max_wait_s=5))
 
     async def run(self, outbound: Any) -> None:
         scope = {"type": "http", "path": ROUTE, "path_template": ROUTE, "headers": []}

@@ -169,3 +169,21 @@ def test_each_boot_phase_opens_on_a_line_the_worker_still_logs() -> None:
     for phase, lines in vllm.BOOT_LINES:
         VLLM.require(re.search(lines, sources) is not None,
                      f"vLLM or uvicorn logs a line that opens the boot phase {phase!r}", lines)
+
+
+def test_a_dead_engine_core_is_answered_with_the_message_recovery_looks_for() -> None:
+    """appliance/recovery/replay.py tells an engine death from another 500 by this message."""
+    sources = engine_sources("vllm/v1/engine/exceptions.py")
+    VLLM.require(vllm.ENGINE_DEAD_MESSAGE in sources,
+                 "EngineDeadError's message starts as ENGINE_DEAD_MESSAGE", vllm.ENGINE_DEAD_MESSAGE)
+
+
+def test_chat_and_completions_streams_can_carry_their_token_ids() -> None:
+    """What a resumed stream is continued from (appliance/apis/openai/resume.py)."""
+    for ours in ("ChatFields", "CompletionFields"):
+        VLLM.require(vllm.TokenIds.REQUEST in engine_facts()["fields"][ours],
+                     f"{vllm.REQUEST_MODELS[ours]} reads {vllm.TokenIds.REQUEST}")
+    sources = engine_sources("vllm/entrypoints/openai/*/protocol.py")
+    for name in (vllm.TokenIds.PROMPT, vllm.TokenIds.GENERATED):
+        VLLM.require(re.search(rf"^\s+{name}: ", sources, re.MULTILINE) is not None,
+                     f"vLLM's stream events declare {name}")

@@ -222,7 +222,8 @@ async def test_a_waiter_that_is_never_admitted_gets_429_with_retry_after_from_th
 
 @contextlib.asynccontextmanager
 async def one_slot(url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngine, Admission]]:
-    settings = Settings(policy={"max_inflight": 1}, admission={"queue_wait_s": 30})
+    settings = Settings(policy={"max_inflight": 1}, admission={"queue_wait_s": 30},
+                        resume={"enabled": False})  # a loss ends the requests (as with resume off)
     engine, admission, port = FakeEngine(url), Admission.from_settings(settings), free_port()
     async with serving(create_app(settings, engine, admission=admission), port, settings), \
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:

@@ -1,0 +1,152 @@
+"""How an OpenAI chat or completions stream goes on after an engine fault.
+
+The continuation is a completions request whose prompt is the prompt's token ids plus those
+generated so far, with the same sampling fields and what is left of the budget; its events are
+read back into the client's protocol (appliance/recovery/stream.py says what is kept).
+
+A stream is resumable when its tokens alone say where it stood. Not when the worker keeps
+state beside them that a continuation would lose or restart: several choices, logprobs, stop
+strings (the worker holds back text that might start one), output constraints and tool or
+reasoning parsing (their parser state), media in the prompt (its placeholders need the media),
+continuous usage. Those streams are replayed while the client has received nothing, and
+otherwise end with the engine_lost error as before.
+
+With sampling, the continuation draws from a fresh random state (a seed restarts), so a resumed
+stream is a valid sample of the same request, not the uninterrupted run's; presence and
+frequency penalties count the tokens before the seam as prompt. Greedy decoding is the same
+either way, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from appliance.recovery.stream import StreamRecord, sse
+
+# The sampling fields a continuation carries over as they are: each means the same to a
+# completions request as to the chat or completions request it continues.
+_CARRIED = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
+    "cache_salt", "vllm_xargs", "user", "stream_interval",
+)
+# Fields whose presence (with a value that asks for something) keeps a stream from resuming.
+_STATEFUL = (
+    "stop", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
+    "use_beam_search", "structured_outputs", "tools", "prompt_embeds",
+    "return_tokens_as_token_ids", "return_token_offsets", "return_mm_kwargs",
+    "kv_transfer_params", "ec_transfer_params", "logprob_token_ids", "thinking_token_budget",
+)
+
+
+def plain_stream(body: Mapping[str, Any]) -> bool:
+    """Whether a streamed body's tokens alone say where it stands (see the module's doc)."""
+    if body.get("stream") is not True or body.get("n") not in (None, 1):
+        return False
+    if any(body.get(name) not in (None, False, [], "", 0) for name in _STATEFUL):
+        return False
+    response_format = body.get("response_format")
+    if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):
+        return False
+    options = body.get("stream_options")
+    return not (isinstance(options, Mapping) and options.get("continuous_usage_stats"))
+
+
+class _Continued(StreamRecord):
+    """What chat and completions continuations share: the request for the rest."""
+
+    budget_field: str
+
+    def continued_fields(self, generated: int) -> dict[str, Any]:
+        payload = self._payload
+        fields: dict[str, Any] = {k: payload[k] for k in _CARRIED if k in payload}
+        budget = payload.get(self.budget_field)
+        if isinstance(budget, int):
+            fields["max_tokens"] = max(1, budget - generated)
+        min_tokens = payload.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens > generated:
+            fields["min_tokens"] = min_tokens - generated
+        fields["stream"] = True
+        fields["stream_options"] = {"include_usage": self.usage_asked()}
+        fields["return_token_ids"] = True  # a second fault continues from the new ids too
+        return fields
+
+    def _continued_choice(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The continuation event's choice, its ids recorded; None for the usage event."""
+        choices = event.get("choices") or []
+        if not choices:
+            return None
+        choice: dict[str, Any] = choices[0]
+        ids = choice.get("token_ids") or []
+        self.record(",".join(map(str, ids)).encode(), bool(choice.get("text")))
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+        return choice
+
+    def _usage(self, event: dict[str, Any]) -> bytes:
+        """The continuation's usage event as the whole answer's (b"" for an empty event)."""
+        return self.usage_event(event.get("system_fingerprint")) if "usage" in event else b""
+
+
+class ChatRecord(_Continued):
+    """A chat stream: its first event holds the prompt's ids at the top; a content event with
+    nothing to say (`"delta":{}`) exists only to carry ids."""
+
+    budget_field = "max_completion_tokens"
+    event_object = "chat.completion.chunk"
+
+    def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:
+        super().__init__(payload, ids_visible)
+        if "max_completion_tokens" not in payload:
+            self.budget_field = "max_tokens"
+
+    def has_text(self, event: bytes) -> bool:
+        return b'"delta":{}' not in event
+
+    def only_ids(self, event: bytes) -> bool:
+        return b'"delta":{}' in event and b'"finish_reason":null' in event
+
+    def translate(self, event: dict[str, Any]) -> bytes:
+        choice = self._continued_choice(event)
+        if choice is None:
+            return self._usage(event)
+        assert self.head is not None
+        text, finish = choice.get("text") or "", choice.get("finish_reason")
+        if not text and finish is None and not self._visible:
+            return b""
+        delta = {"content": text} if text or finish is not None else {}
+        out_choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                      "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            out_choice["stop_reason"] = choice.get("stop_reason")
+        out_choice["token_ids"] = choice.get("token_ids") if self._visible else None
+        out: dict[str, Any] = {"id": self.head.id, "object": "chat.completion.chunk",
+                               "created": self.head.created, "model": self.head.model,
+                               "choices": [out_choice]}
+        if "system_fingerprint" in event:
+            out["system_fingerprint"] = event["system_fingerprint"]
+        return sse(out)
+
+
+class CompletionRecord(_Continued):
+    """A completions stream: its first choice holds the prompt's ids; every event is the
+    client's (an empty text is one the client gets without ids too)."""
+
+    budget_field = "max_tokens"
+    event_object = "text_completion"
+
+    def has_text(self, event: bytes) -> bool:
+        return b'"text":""' not in event
+
+    def translate(self, event: dict[str, Any]) -> bytes:
+        choice = self._continued_choice(event)
+        if choice is None:
+            return self._usage(event)
+        assert self.head is not None
+        event["id"], event["created"], event["model"] = self.head.id, self.head.created, self.head.model
+        choice["prompt_token_ids"] = None
+        if not self._visible:
+            choice["token_ids"] = None
+        return sse(event)

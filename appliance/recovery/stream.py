@@ -1,0 +1,220 @@
+"""What a stream keeps to continue on a new worker after an engine fault, protocol aside.
+
+The gate asks the worker for the stream's token ids (vLLM's `return_token_ids`): the prompt's
+once, in the first event, then each event's generated ids. On the way to the client each event
+gives its ids to this record and goes on as it would have without them (`null` where the ids
+were, and an event that exists only to carry ids is dropped). After a fault the protocol's
+subclass (appliance/apis/<family>/resume.py) sends the prompt's ids plus the generated ones as a
+completions request for what is left of the budget, and reads the new stream into the client's
+protocol: same id, same `created`, usage counted over the whole answer, no seam.
+
+Memory: the ids as the worker wrote them (digits and commas, about 6 bytes a token) for the
+prompt and what was generated, so at most about 6 bytes times the context window per stream,
+plus the first event's id and model. Nothing is parsed on the way unless a fault happens, but
+the first event (once per stream, for its id) and the events of a continuation.
+
+Token ids after the last event that carried text are the worker's, not yet the client's (a
+character split across tokens, held until complete): a continuation starts before them and
+generates them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from appliance.fences.vllm import TokenIds
+
+_END = b"\n\n"
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+_NULL = b"null"
+_FINISHED = b'"finish_reason":"'
+
+
+def _key(name: str) -> bytes:
+    return b'"' + name.encode() + b'":['
+
+
+_PROMPT_KEY = _key(TokenIds.PROMPT)
+_GENERATED_KEY = _key(TokenIds.GENERATED)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The request that continues a stream on the new worker."""
+
+    target: str  # the worker's route
+    body: bytes | None  # None: no body (a pass-through)
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every event of the stream repeats, from its first one."""
+
+    id: str
+    created: int
+    model: str
+
+
+class StreamRecord:
+    """A chat or completions stream's record; subclasses say how their protocol reads."""
+
+    def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:
+        self._payload = payload  # the body as forwarded (its budget fitted by then)
+        self._visible = ids_visible  # the client asked for the ids itself: they stay
+        self._partial = b""  # the start of an event whose end has not arrived
+        self.head: Head | None = None
+        self._prompt = b""  # the prompt's ids as the worker wrote them
+        self._generated = bytearray()  # the generated ids, comma-separated
+        self._count = 0  # generated ids recorded
+        self._settled = (0, 0)  # (count, bytes) of the ids up to the last event with text
+        self.finished = False  # an event carried the finish reason: nothing more to generate
+        self._continued = False  # events now come from a continuation, to be translated
+
+    # --- on the way to the client -----------------------------------------------------------
+
+    def take(self, chunk: bytes) -> bytes:
+        """The worker's bytes as the client gets them, the ids recorded on the way."""
+        if not self._partial and chunk.endswith(_END) and chunk.count(_END) == 1:
+            return self._event(chunk)  # one whole event: the common case
+        data = self._partial + chunk
+        cut = data.rfind(_END) + len(_END)
+        if cut < len(_END):
+            self._partial = data
+            return b""
+        self._partial = data[cut:]
+        return b"".join(self._event(event + _END) for event in data[:cut].split(_END)[:-1])
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(_DATA) or event.startswith(_DONE):
+            return event
+        if self._continued:
+            return self.translate(msgspec.json.decode(event[len(_DATA):]))
+        if self.head is None:
+            self._read_head(event[len(_DATA):])
+        event, prompt = self._cut(event, _PROMPT_KEY)
+        if prompt is not None and not self._prompt:
+            self._prompt = prompt
+        event, ids = self._cut(event, _GENERATED_KEY)
+        if _FINISHED in event:
+            self.finished = True
+        if ids is not None:
+            self.record(ids, self.has_text(event))
+            if not self._visible and self.only_ids(event):
+                return b""
+        return event
+
+    def _cut(self, event: bytes, key: bytes) -> tuple[bytes, bytes | None]:
+        """The event without the ids under `key` (unless the client asked for them), and the
+        ids; None where it has none."""
+        start = event.find(key)
+        if start < 0:
+            return event, None
+        first = start + len(key)
+        end = event.find(b"]", first)
+        ids = event[first:end]
+        if self._visible:
+            return event, ids
+        return event[:start + len(key) - 1] + _NULL + event[end + 1:], ids
+
+    def record(self, ids: bytes, has_text: bool) -> None:
+        """Ids generated (digits and commas, possibly none), and whether their event carried
+        text: the client holds everything up to such an event."""
+        if ids:
+            if self._generated:
+                self._generated += b","
+            self._generated += ids
+            self._count += ids.count(b",") + 1
+        if has_text:
+            self._settled = (self._count, len(self._generated))
+
+    # --- after a fault ----------------------------------------------------------------------
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the stream can go on from its ids: its first event came (it holds the
+        prompt's), and the stream did not already end."""
+        return self.head is not None and bool(self._prompt) and not self.finished
+
+    def continuation(self) -> Continuation:
+        """The request for the rest, from the last settled id; what follows is translated."""
+        count, size = self._settled
+        del self._generated[size:]
+        self._count = count
+        self._partial = b""
+        self._continued = True
+        ids = self._prompt + (b"," + bytes(self._generated) if self._generated else b"")
+        rest = msgspec.json.encode(self.continued_fields(count))
+        return Continuation(self.continued_target, b'{"prompt":[' + ids + b"]," + rest[1:])
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prompt.count(b",") + 1 if self._prompt else 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return self._count
+
+    def usage(self) -> dict[str, int]:
+        """The whole answer's usage, in OpenAI's names and vLLM's order."""
+        prompt, completion = self.prompt_tokens, self.generated_tokens
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                "completion_tokens": completion}
+
+    def usage_asked(self) -> bool:
+        options = self._payload.get("stream_options")
+        return isinstance(options, Mapping) and options.get("include_usage") is True
+
+    def usage_event(self, fingerprint: str | None) -> bytes:
+        """The whole answer's usage event, as the protocol's stream ends with it."""
+        assert self.head is not None
+        event: dict[str, Any] = {"id": self.head.id, "object": self.event_object,
+                                 "created": self.head.created, "model": self.head.model,
+                                 "choices": [], "usage": self.usage()}
+        if fingerprint is not None:
+            event["system_fingerprint"] = fingerprint
+        return sse(event)
+
+    def tail(self) -> bytes:
+        """The end of a stream whose last token had come when its engine was lost."""
+        return (self.usage_event(None) if self.usage_asked() else b"") + _DONE + _END
+
+    # --- what a protocol says ---------------------------------------------------------------
+
+    continued_target = "/v1/completions"  # a prompt of token ids continues every stream here
+    event_object: str  # the protocol's name for one event of its stream
+
+    def _read_head(self, data: bytes) -> None:
+        head = msgspec.json.decode(data, type=_HeadFields)
+        if head.id is not None and head.created is not None:
+            self.head = Head(head.id, head.created, head.model or "")
+
+    def has_text(self, event: bytes) -> bool:
+        """Whether the event carries text for the client."""
+        raise NotImplementedError
+
+    def only_ids(self, event: bytes) -> bool:
+        """Whether the event exists only because the ids were asked (the client never gets it)."""
+        return False
+
+    def continued_fields(self, generated: int) -> dict[str, Any]:
+        """The continuation's body but its prompt, after `generated` tokens."""
+        raise NotImplementedError
+
+    def translate(self, event: dict[str, Any]) -> bytes:
+        """One event of the continuation as the client's stream goes on (b"": none)."""
+        raise NotImplementedError
+
+
+class _HeadFields(msgspec.Struct):
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+
+
+def sse(data: Mapping[str, Any]) -> bytes:
+    return _DATA + msgspec.json.encode(data) + _END
