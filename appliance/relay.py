@@ -298,7 +298,8 @@ class Relay:
         engine = deps.engine
         log.info("request.engine_fault", error=error.code, worker=serial, how=how)
         deadline = time.monotonic() + deps.resume.max_wait_s
-        if not await loss_confirmed(engine, serial, deps.resume.max_wait_s):
+        if not await loss_confirmed(engine, serial, min(deps.resume.confirm_s,
+                                                        deps.resume.max_wait_s)):
             raise error
         # In flight at the death (the supervisor has read it); no work of the next worker yet.
         engine.waiting.discard(self)

@@ -370,6 +370,9 @@ class ResumeSettings(_Group):
 
     enabled: bool = True
     max_wait_s: float = Field(60.0, gt=0)  # for the engine to be back, per fault
+    # For the supervisor to declare lost a worker whose exchange failed; past it the failure is
+    # the client's error (about its own bound: failed probes times their interval, a timeout).
+    confirm_s: float = Field(15.0, gt=0)
     quarantine_after: int = Field(2, ge=1)  # engine deaths a request (fingerprint) was in flight at
     quarantine_ttl_s: float = Field(3600.0, gt=0)  # how long a fingerprint's deaths are remembered
     max_quarantined: int = Field(1024, ge=1)  # fingerprints remembered, the oldest forgotten

@@ -1,6 +1,7 @@
 """What the appliance costs next to vLLM's own API server, on the real worker, in one run.
 
     python -m load.bench_cpu [--requests 48] [--concurrency 8] [--tokens 32] [--rounds 2]
+                             [--compare-resume]
 
 Starts `chat-appliance serve` with the real vLLM CPU worker, then sends the same closed-loop
 load through the appliance, streaming and not, and reads the CPU seconds each process used
@@ -15,6 +16,10 @@ answers those and runs its own loops. While requests run, the appliance also rea
 its column: it is what the deployment costs). That cost is per second, not per request: it is
 measured in an idle window before the rounds and after them, reported as ms/s, and the table
 shows the ratio both as measured and above that idle cost.
+
+With --compare-resume two appliances run side by side, each with its own worker: one with
+`resume.enabled` (the default: streams ask for their token ids and keep them) and one without;
+their rounds alternate, and a table each shows what keeping a request resumable costs.
 """
 
 from __future__ import annotations
@@ -83,12 +88,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="stream/non-stream pairs")
     parser.add_argument("--idle-s", type=float, default=20.0,
                         help="seconds of each idle window (before and after the rounds)")
+    parser.add_argument("--compare-resume", action="store_true",
+                        help="an appliance with resume off next to the default one")
     return parser.parse_args(argv)
 
 
-def start(workdir: Path, engine_port: int | None = None) -> tuple[Service, str]:
+def start(workdir: Path, engine_port: int | None = None,
+          settings: dict[str, str] | None = None) -> tuple[Service, str]:
     """serve with the real worker and its URL: on its private Unix socket, or, where the
-    caller reads the worker itself, on loopback `engine_port`."""
+    caller reads the worker itself, on loopback `engine_port`; `settings` as environment."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
@@ -98,7 +106,8 @@ def start(workdir: Path, engine_port: int | None = None) -> tuple[Service, str]:
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "PYTHONPATH": str(ROOT),
-    }
+    } | (settings or {})
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "appliance.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.main", "serve"], stdout=log,
@@ -140,38 +149,71 @@ def measure(name: str, url: str, pids: tuple[int, int, list[int]], args: argpars
     return Phase(name, args.requests, wall, *(b - a for a, b in zip(before, after, strict=True)))
 
 
-def idle(pids: tuple[int, int, list[int]], seconds: float) -> Idle:
-    appliance, server, _ = pids
-    before = (cpu_seconds(appliance), cpu_seconds(server))
+def idles(all_pids: list[tuple[int, int, list[int]]], seconds: float) -> list[Idle]:
+    """Each appliance's and its server's CPU per second with no request, in one window."""
+    def read() -> list[tuple[float, float]]:
+        return [(cpu_seconds(a), cpu_seconds(s)) for a, s, _ in all_pids]
+
+    before = read()
     time.sleep(seconds)
-    return Idle((cpu_seconds(appliance) - before[0]) / seconds,
-                (cpu_seconds(server) - before[1]) / seconds)
+    return [Idle((a1 - a0) / seconds, (s1 - s0) / seconds)
+            for (a0, s0), (a1, s1) in zip(before, read(), strict=True)]
+
+
+@dataclass
+class Run:
+    """One appliance under test: its label, URL and processes, and what was measured."""
+
+    label: str
+    url: str
+    pids: tuple[int, int, list[int]]
+    idles: list[Idle]
+    phases: list[Phase]
+
+
+CONFIGS = {"default": {}, "resume off": {"CHAT_APPLIANCE_RESUME__ENABLED": "false"}}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    labels = list(CONFIGS) if args.compare_resume else ["default"]
+    runs: list[Run] = []
+    services: list[Service] = []
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
-        service, url = start(Path(tmp))
         try:
-            if not wait_http(service, f"{url}/health", 600):
-                print(f"the appliance never became ready:\n{service.tail()}", file=sys.stderr)
-                return 1
-            worker = int(httpx.get(f"{url}/health", timeout=5).json()["pid"])
-            engine = [p.pid for p in psutil.Process(worker).children(recursive=True)]
-            pids = (service.proc.pid, worker, engine)
-            measure("warm-up", url, pids, args, stream=True)
-            idles = [idle(pids, args.idle_s)]
-            phases = []
+            for n, label in enumerate(labels):
+                service, url = start(Path(tmp) / str(n), settings=CONFIGS[label])
+                services.append(service)
+                if not wait_http(service, f"{url}/health", 600):
+                    print(f"the appliance never became ready:\n{service.tail()}", file=sys.stderr)
+                    return 1
+                worker = int(httpx.get(f"{url}/health", timeout=5).json()["pid"])
+                engine = [p.pid for p in psutil.Process(worker).children(recursive=True)]
+                runs.append(Run(label, url, (service.proc.pid, worker, engine), [], []))
+            for run in runs:
+                measure("warm-up", run.url, run.pids, args, stream=True)
+            for run, measured in zip(runs, idles([r.pids for r in runs], args.idle_s), strict=True):
+                run.idles.append(measured)
             for _ in range(args.rounds):
-                phases.append(measure("streaming", url, pids, args, stream=True))
-                phases.append(measure("non-streaming", url, pids, args, stream=False))
-            idles.append(idle(pids, args.idle_s))
+                for run in runs:  # alternating: each appliance meets the same conditions
+                    run.phases.append(measure("streaming", run.url, run.pids, args, stream=True))
+                    run.phases.append(measure("non-streaming", run.url, run.pids, args,
+                                              stream=False))
+            for run, measured in zip(runs, idles([r.pids for r in runs], args.idle_s), strict=True):
+                run.idles.append(measured)
         finally:
-            service.stop()
-    print(f"\n{args.requests} requests per phase, {args.concurrency} concurrent, "
+            for service in services:
+                service.stop()
+    for run in runs:
+        report(run, args)
+    return 0
+
+
+def report(run: Run, args: argparse.Namespace) -> None:
+    print(f"\n## {run.label}: {args.requests} requests per phase, {args.concurrency} concurrent, "
           f"{args.tokens} tokens each; CPU ms per request\n")
-    base = Idle(sum(i.appliance_per_s for i in idles) / len(idles),
-                sum(i.api_server_per_s for i in idles) / len(idles))
+    base = Idle(sum(i.appliance_per_s for i in run.idles) / len(run.idles),
+                sum(i.api_server_per_s for i in run.idles) / len(run.idles))
     print(f"idle, no request ({args.idle_s:.0f} s before and after the rounds): appliance "
           f"{base.appliance_per_s * 1000:.1f} ms/s, vLLM API server "
           f"{base.api_server_per_s * 1000:.1f} ms/s\n")
@@ -179,15 +221,14 @@ def main(argv: list[str] | None = None) -> int:
           "appliance / API server | appliance above idle | API server above idle | "
           "ratio above idle |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for phase in phases:
+    for phase in run.phases:
         print(phase.row(base))
     # Every round of a mode pooled: CPU time is read in 10 ms ticks, a tenth of a phase's
     # appliance CPU, so one phase's ratio moves by that much; the pooled one by a fraction.
     for name in ("streaming", "non-streaming"):
-        print(pooled(f"all {name} rounds", [p for p in phases if p.name == name]).row(base))
-    print(json.dumps({"idle": [i.__dict__ for i in idles],
-                      "phases": [phase.__dict__ for phase in phases]}))
-    return 0
+        print(pooled(f"all {name} rounds", [p for p in run.phases if p.name == name]).row(base))
+    print(json.dumps({"label": run.label, "idle": [i.__dict__ for i in run.idles],
+                      "phases": [phase.__dict__ for phase in run.phases]}))
 
 
 if __name__ == "__main__":

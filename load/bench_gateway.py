@@ -1,11 +1,15 @@
 """The cost of the appliance itself: direct vs through the appliance vs through LiteLLM, in one run.
 
     python -m load.bench_gateway [--clients 64] [--rounds 3] [--round-s 8] [--tls]
+                                 [--compare-resume]
 
 One synthetic upstream (no model, tokens as fast as it can) is the appliance's supervised worker;
 LiteLLM's proxy forwards to the same upstream. With --tls a second appliance, serving HTTPS (a
 self-signed certificate, its clients on kept-alive connections), supervises a twin upstream:
-the target `appliance-tls`, whose cost next to `appliance` is what TLS adds. Closed-loop
+the target `appliance-tls`, whose cost next to `appliance` is what TLS adds. With
+--compare-resume another one, with `resume.enabled = false`, is the target
+`appliance-noresume`: what keeping streams resumable costs (the upstream then writes token ids
+as vLLM does). Closed-loop
 clients drive each target in turn, streaming and non-streaming rounds alternating, the target
 order rotated every round. Ratios are the result: everything here shares the same cores, the load
 generator included.
@@ -70,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="upstream, appliance and LiteLLM take this port and the next two; "
                              "the TLS appliance and its upstream the two after")
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--compare-resume", action="store_true",
+                        help="add an appliance with resume off (target appliance-noresume)")
     parser.add_argument("--tls", action="store_true",
                         help="also measure the appliance serving HTTPS (target appliance-tls)")
     return parser.parse_args(argv)
@@ -94,6 +100,8 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
                        f"{', '.join(fast) or 'none (asyncio loop, h11)'}")
     if args.tls:
         _add_tls_appliance(stack, args, workdir)
+    if args.compare_resume:
+        _add_noresume_appliance(stack, args, workdir)
     if args.no_litellm:
         stack.notes.append("litellm: unavailable (--no-litellm)")
     else:
@@ -119,6 +127,24 @@ def _add_tls_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) ->
     stack.cpu_pids["upstream"].append((upstream_pid, False))
     stack.notes.append(f"appliance-tls: the same, serving HTTPS ({ssl.OPENSSL_VERSION}, "
                        "EC P-256 certificate, TLS 1.3); its upstream a twin of the first")
+
+
+def _add_noresume_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) -> None:
+    """The same appliance with resume off, over a twin upstream (as the TLS one)."""
+    port, upstream_port = args.base_port + 5, args.base_port + 6
+    service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
+                              workdir, None, "appliance-noresume",
+                              {"CHAT_APPLIANCE_RESUME__ENABLED": "false"})
+    stack.services.append(service)
+    url = f"http://127.0.0.1:{port}/health"
+    if not wait_http(service, url, 60):
+        raise SystemExit(f"the resume-off appliance never became ready:\n{service.tail()}")
+    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False).json()["pid"])
+    stack.targets.append(Target("appliance-noresume", port, API_KEY))
+    stack.cpu_pids["appliance-noresume"] = [(service.proc.pid, False)]
+    stack.cpu_pids["upstream"].append((upstream_pid, False))
+    stack.notes.append("appliance-noresume: the same with resume.enabled = false; its "
+                       "upstream a twin of the first")
 
 
 def _add_litellm(stack: Stack, port: int, upstream_port: int, workdir: Path) -> None:

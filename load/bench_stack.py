@@ -74,11 +74,11 @@ def wait_http(service: Service, url: str, timeout_s: float,
 
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
                     api_key: str, workdir: Path, tls: tuple[Path, Path] | None = None,
-                    name: str = "appliance") -> Service:
+                    name: str = "appliance", settings: dict[str, str] | None = None) -> Service:
     """`chat-appliance serve` supervising the synthetic upstream as its worker; with `tls`
     (certificate, key) its port speaks HTTPS. The appliance reaches the upstream on its Unix
     socket, as it reaches vLLM; the direct and LiteLLM runs use its port."""
-    socket_dir = workdir / "worker"
+    socket_dir = workdir / f"worker-{name}"
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
                 "--tokens", str(tokens), "--token-delay", str(token_delay_s),
                 "--uds", str(socket_dir / "worker.sock")]
@@ -98,6 +98,7 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
     if tls is not None:
         env |= {"CHAT_APPLIANCE_SERVER__TLS_CERTFILE": str(tls[0]),
                 "CHAT_APPLIANCE_SERVER__TLS_KEYFILE": str(tls[1])}
+    env |= settings or {}
     chat_appliance = Path(sys.executable).with_name("chat-appliance")
     return _spawn(name, [str(chat_appliance), "serve"], env, workdir)
 

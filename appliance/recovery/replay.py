@@ -2,8 +2,9 @@
 
 A failed exchange is waited out only once the supervisor says the worker is lost: a killed
 server is seen within a second (its process exits), a dead engine core within its failed
-probes, a hang before its processes are killed (which is what breaks the exchange). All within
-`resume.max_wait_s`, as is the new worker's start; past it the request gets its error.
+probes, a hang before its processes are killed (which is what breaks the exchange). If it does
+not say so within `resume.confirm_s`, the worker still serves and the failure is the client's
+error; the new worker's start is waited for up to `resume.max_wait_s` in all.
 """
 
 from __future__ import annotations

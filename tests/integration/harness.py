@@ -248,14 +248,15 @@ def chat_as(appliance: Appliance, who: str, body: Mapping[str, object]) -> httpx
 
 
 def long_stream(appliance: Appliance, messages: list[dict[str, str]],
-                timeout_s: float) -> tuple[threading.Thread, list[str]]:
-    """A 1,500-token chat stream read on a thread, its non-empty lines kept in the list;
-    returned once the first line came."""
+                timeout_s: float, max_tokens: int = 1500) -> tuple[threading.Thread, list[str]]:
+    """A chat stream of `max_tokens` (1,500: minutes here) read on a thread, its non-empty
+    lines kept in the list; returned once the first line came."""
     lines: list[str] = []
     started = threading.Event()
 
     def read() -> None:
-        body = {"messages": messages, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        body = {"messages": messages, "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True}
         with httpx.stream("POST", f"{appliance.url}/v1/chat/completions", json=body,
                           timeout=timeout_s) as response:
             for line in response.iter_lines():

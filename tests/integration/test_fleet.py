@@ -145,8 +145,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         nodes = []
         for name in ("node1", "node2"):
             (workdir / name).mkdir()
+            # Resume off: a node answers 503 for what its dead worker held, and HAProxy's
+            # retry is what is under test (with resume on, the node replays them itself).
             nodes.append(stack.enter_context(running_synthetic_appliance(
-                workdir / name, *worker_args, supervisor__health_interval_s="0.2")))
+                workdir / name, *worker_args, supervisor__health_interval_s="0.2",
+                resume__enabled="false")))
         for node in nodes:
             node.wait_ready(60)
         running = stack.enter_context(running_haproxy(workdir, nodes))

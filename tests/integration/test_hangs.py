@@ -32,7 +32,9 @@ STORY = [{"role": "user", "content": "Write a long story about a lighthouse keep
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, Path]]:
     root = Path(tmp_path_factory.mktemp("hangs"))
     crashes = root / "crashes"
-    with running_appliance(root, crashes__dir=str(crashes),
+    # Resume off: what a hang does to the requests it meets, as the client sees it without
+    # resume (test_resume.py shows them outliving it).
+    with running_appliance(root, crashes__dir=str(crashes), resume__enabled="false",
                            supervisor__crash_loop_restarts="100") as appliance:
         appliance.wait_ready()
         yield appliance, crashes

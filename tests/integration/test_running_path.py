@@ -109,33 +109,33 @@ def test_the_worker_listens_only_on_its_private_unix_socket(appliance: Appliance
     assert appliance.engine_get("/health").status_code == 200  # the service user's way in
 
 
-def test_kill_9_gives_503_at_once_ends_streams_and_recovers(appliance: Appliance) -> None:
+def test_kill_9_gives_503_at_once_streams_go_on_and_it_recovers(appliance: Appliance) -> None:
     old_pid = appliance.worker_pid()
     story = [{"role": "user", "content": "Write a long story about a lighthouse."}]
-    reader, lines = long_stream(appliance, story, timeout_s=120)
+    reader, lines = long_stream(appliance, story, timeout_s=120, max_tokens=100)
 
     os.kill(old_pid, signal.SIGKILL)
     # The very first request after the kill is refused with a 503 the client can act on, not a
-    # 502, a 500 or a wait (how soon the supervisor notices is load.bench_reactions's).
-    response = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=30,
+    # 502 or a 500 (how soon the supervisor notices is load.bench_reactions's); one that slipped
+    # in before it noticed is sent to the next worker (resume) and answered.
+    response = httpx.post(f"{appliance.url}/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "hi"}]})
-    assert response.status_code == 503, response.text
-    assert int(response.headers["retry-after"]) >= 1
-    assert response.json()["error"]["code"] in ("engine_unavailable", "engine_lost")
-
-    reader.join(30)
-    assert lines[-1] == "data: [DONE]"
-    assert '"error"' in lines[-2], "the stream ends with an SSE error event"
-
-    health = appliance.health()
-    assert health.status_code == 503
-    assert health.json()["last_exit"]["reason"] == "exited"
-    assert "SIGKILL" in health.json()["last_exit"]["detail"]
+    assert response.status_code in (200, 503), response.text
+    if response.status_code == 503:
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] in ("engine_unavailable", "engine_lost")
 
     detail = appliance.wait_ready()
+    assert detail["last_exit"]["reason"] == "exited"  # type: ignore[index]
+    assert "SIGKILL" in detail["last_exit"]["detail"]  # type: ignore[index]
     assert detail["pid"] != old_pid and detail["restarts"] >= 1
     assert not worker_tree(old_pid), "no process of the killed worker's tree survives"
+    # The stream in flight outlived the kill (resume): it goes on to its own end.
+    reader.join(120)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    assert sum(1 for line in lines if '"content":' in line) >= 90
     test_chat_completion_through_the_sdk(appliance)
+
 
 
 def test_stop_leaves_no_process_of_the_worker_or_the_template(tmp_path: Path) -> None:

@@ -55,9 +55,9 @@ def test_sigstopped_engine_core_is_declared_hung_and_restarted(tmp_path: Path) -
     """/health stays 200 while EngineCore is stopped: the engine's own progress (its counters
     frozen and its CPU time still) tells, within seconds, and the frozen tree is killed."""
     stall, grace = 5.0, 5.0
-    with running_appliance(
+    with running_appliance(  # resume off: the stream's end shows the hang (see test_resume.py)
         tmp_path, supervisor__hang_stall_s=str(stall), supervisor__stop_grace_s=str(grace),
-        supervisor__health_timeout_s="30",
+        supervisor__health_timeout_s="30", resume__enabled="false",
     ) as appliance:
         booted_at = time.monotonic()
         old = int(appliance.wait_ready()["pid"])

@@ -180,7 +180,8 @@ class SyntheticWorker:
             elif request.get("stream"):
                 options = request.get("stream_options") or {}
                 usage = (prompt, count) if options.get("include_usage") else None
-                await self._stream(send, chat, count, completion_id, usage)
+                ids = prompt if request.get("return_token_ids") else None
+                await self._stream(send, chat, count, completion_id, usage, ids)
             else:
                 text = "tok " * count
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
@@ -197,9 +198,11 @@ class SyntheticWorker:
             self.running -= 1
 
     async def _stream(self, send: Any, chat: bool, count: int, completion_id: str,
-                      usage: tuple[int, int] | None) -> None:
+                      usage: tuple[int, int] | None, ids: int | None = None) -> None:
         """As vLLM: the last token's event says why it finished and carries the fingerprint,
-        unless usage was asked, which then comes in an event of its own that carries it."""
+        unless usage was asked, which then comes in an event of its own that carries it. Where
+        token ids were asked (`ids`: the prompt's length), each event carries its token's, and
+        the first event the prompt's too."""
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(count):
@@ -208,6 +211,10 @@ class SyntheticWorker:
                      if chat else {"index": 0, "text": self.word, "finish_reason": finish})
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
+            if ids is not None:
+                delta["token_ids"] = [1000 + i]
+                if i == 0:
+                    (chunk if chat else delta)["prompt_token_ids"] = [1] * ids
             self.generated_tokens += 1
             if finish and usage is None:
                 chunk["system_fingerprint"] = FINGERPRINT

@@ -66,10 +66,11 @@ async def test_stream_is_relayed_chunk_by_chunk_to_done() -> None:
 
 
 async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
+    """Resume off (with it on, the stream waits for the next worker: test_relay.py)."""
     engine_url: str
     async with upstream(tokens=500, delay=0.01) as (fake, engine_url):
         engine = FakeEngine(engine_url)
-        async with appliance(engine) as client:
+        async with appliance(engine, resume={"enabled": False}) as client:
             lines = await stream_until_lost(
                 client, engine, "/v1/chat/completions", CHAT | {"max_tokens": 500, "stream": True},
                 after_lines=3)
@@ -80,8 +81,9 @@ async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
 
 
 async def test_unreachable_worker_is_503_not_500() -> None:
+    """A worker the supervisor still calls ready: after the wait for it to say otherwise."""
     engine = FakeEngine(f"http://127.0.0.1:{free_port()}")
-    async with appliance(engine) as client:
+    async with appliance(engine, resume={"confirm_s": 0.5}) as client:
         for body in (CHAT, CHAT | {"stream": True}):
             response = await client.post("/v1/completions", json={"prompt": "x"} | body)
             assert response.status_code == 503

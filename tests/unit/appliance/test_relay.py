@@ -18,12 +18,13 @@ from appliance.admission.slots import Admission
 from appliance.apis.anthropic.api import MESSAGES
 from appliance.apis.openai.api import CHAT
 from appliance.apis.tokenizer.api import VERSION
-from appliance.errors import ApiError, NotFound
+from appliance.engine import EngineState
+from appliance.errors import ApiError, NotFound, engine_lost
 from appliance.gate.gate import Vetted
 from appliance.metrics import RequestMetrics
 from appliance.outbound import PassThrough
 from appliance.relay import Relay, RelayDeps
-from appliance.settings import ResumeSettings
+from appliance.settings import ResumeSettings, Settings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine
 
@@ -117,8 +118,9 @@ class Client:
 
 
 class Setup:
-    def __init__(self, worker: Worker, resume: bool = False) -> None:
-        self.engine = FakeEngine("http://127.0.0.1:9")
+    def __init__(self, worker: Worker, resume: bool = False,
+                 engine: FakeEngine | None = None) -> None:
+        self.engine = engine or FakeEngine("http://127.0.0.1:9")
         self.admission = Admission(1)
         self.metrics = RequestMetrics(CollectorRegistry())
         self.worker = worker
@@ -222,3 +224,115 @@ async def test_a_client_that_left_gets_nothing_more_and_is_counted_as_a_disconne
     assert setup.client.body == b"data: 1\n\n"
     assert setup.count("appliance_client_disconnects_total", stream="true") == 1
     assert setup.admission.in_flight == 0
+
+
+# --- outliving an engine fault (resume on) -------------------------------------------------
+
+
+class Broken(Reply):
+    """An answer whose connection breaks after `good` chunks, as a killed worker's does."""
+
+    def __init__(self, chunks: list[bytes], good: int) -> None:
+        super().__init__(200, chunks)
+        self._good = good
+        self.engine: FakeEngine | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for chunk in self._chunks[:self._good]:
+            yield chunk
+        if self.engine is not None:
+            restart(self.engine)
+        raise engine_lost(1)
+
+    def abort(self) -> None:
+        pass
+
+
+class Workers(Worker):
+    """One answer (or failure) per exchange, in order, as successive workers give them."""
+
+    def __init__(self, engine: FakeEngine, *answers: Reply | Exception) -> None:
+        super().__init__()
+        self.answers, self.engine = list(answers), engine
+
+    @contextlib.asynccontextmanager
+    async def exchange(self, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str]) -> AsyncIterator[Reply]:
+        self.sent.append((method, path, body))
+        assert self.admission is not None
+        self.in_flight_during.append(self.admission.in_flight)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            restart(self.engine)
+            raise answer
+        if isinstance(answer, Broken):
+            answer.engine = self.engine
+        yield answer
+
+
+def restart(engine: FakeEngine) -> None:
+    """The supervisor declares the worker lost, then a new one serves."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(engine.set_state, EngineState.STOPPING)
+    loop.call_later(0.02, engine.set_state, EngineState.STARTING, engine.serial + 1)
+    loop.call_later(0.04, engine.set_state, EngineState.READY)
+
+
+def resuming(*answers: Reply | Exception) -> Setup:
+    engine = FakeEngine("http://127.0.0.1:9")
+    return Setup(Workers(engine, *answers), resume=True, engine=engine)
+
+
+async def test_a_request_the_client_had_nothing_of_is_sent_again_holding_its_slot() -> None:
+    setup = resuming(engine_lost(1), Reply(200, [b'{"ok": true}']))
+    with capture_logs() as logs:
+        await setup.run(chat())
+    assert setup.client.status == 200 and setup.client.body == b'{"ok": true}'
+    assert [body for _, _, body in setup.worker.sent] == [chat().raw] * 2
+    assert setup.worker.in_flight_during == [1, 1]  # the same slot, never given back between
+    assert setup.count("appliance_engine_faults_outlived_total", route=ROUTE, how="replayed") == 1
+    assert "request.outlived_engine_fault" in [e["event"] for e in logs]
+    assert setup.admission.in_flight == 0 and len(setup.engine.waiting) == 0
+
+
+async def test_a_stream_goes_on_from_its_token_ids_without_a_seam() -> None:
+    from tests.unit.appliance.apis.test_openai_resume import CHAT as BODY
+    from tests.unit.appliance.apis.test_openai_resume import ROLE, ROLE_IDS, completion_event, content
+
+    asked = {k: v for k, v in BODY.items() if k != "return_token_ids"}  # as the client sent it
+    vetted = Vetted(CHAT, asked, json.dumps(asked).encode())
+    vetted.record = CHAT.stream_record(vetted.payload, Settings())
+    first = Broken([ROLE_IDS, content("Hello", b"19556")], good=2)
+    rest = Reply(200, [completion_event(" there", [665], prompt=[1, 9690, 198, 19556]),
+                       completion_event("", [2], finish="stop"), b"data: [DONE]\n\n"])
+    setup = resuming(first, rest)
+    await setup.run(vetted)
+    assert setup.client.body == (ROLE + content("Hello", None) + content(" there", None)
+                                 + content("", None, finish="stop") + b"data: [DONE]\n\n")
+    (_, path, body) = setup.worker.sent[1]
+    assert path == "/v1/completions"
+    assert json.loads(body or b"")["prompt"] == [1, 9690, 198, 19556]
+    assert setup.count("appliance_engine_faults_outlived_total", route=ROUTE, how="resumed") == 1
+
+
+async def test_a_stream_without_a_record_ends_as_before_once_the_client_has_some() -> None:
+    setup = resuming(Broken([b"data: 1\n\n", b"data: 2\n\n"], good=1))
+    await setup.run(chat(stream=True))
+    body = setup.client.body
+    assert body.startswith(b"data: 1\n\n") and b'"code":"engine_lost"' in body
+    assert len(setup.worker.sent) == 1  # never sent again: the client has part of it
+
+
+async def test_a_client_gone_during_the_wait_is_not_sent_again() -> None:
+    setup = resuming(engine_lost(1), Reply(200, [b'{"ok": true}']))
+    setup.engine.set_state = lambda *_: setup.client.gone.set()  # type: ignore[method-assign]
+    await setup.run(chat())
+    assert len(setup.worker.sent) == 1 and setup.client.messages == []
+    assert setup.count("appliance_client_disconnects_total", stream="false") == 1
+
+
+async def test_with_resume_off_a_fault_is_the_clients_error() -> None:
+    engine = FakeEngine("http://127.0.0.1:9")
+    setup = Setup(Workers(engine, engine_lost(1), Reply(200, [b'{"ok": true}'])), engine=engine)
+    await setup.run(chat())
+    assert setup.client.status == 503 and len(setup.worker.sent) == 1

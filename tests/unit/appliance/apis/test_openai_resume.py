@@ -1,0 +1,140 @@
+"""A chat or completions stream's record (appliance/apis/openai/resume.py over
+appliance/recovery/stream.py), on events as vLLM 0.32 writes them (captured from the worker):
+the client sees what it would without the ids, the continuation carries prompt + generated
+ids and what is left of the budget, and its events read as the same stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
+
+HEAD = b'"id":"chatcmpl-a9","object":"chat.completion.chunk","created":17,"model":"m"'
+ROLE_IDS = (b'data: {' + HEAD + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,9690,198],'
+            b'"prompt_text":null}\n\n')
+ROLE = ROLE_IDS.replace(b"[1,9690,198]", b"null")
+
+
+def content(text: str, ids: bytes | None, finish: str | None = None) -> bytes:
+    choice = b'{"index":0,"delta":{"content":' + json.dumps(text).encode() + b'},"logprobs":null,'
+    choice += b'"finish_reason":' + (json.dumps(finish).encode() if finish else b"null")
+    if finish:
+        choice += b',"stop_reason":null'
+    choice += b',"token_ids":' + (b"[" + ids + b"]" if ids is not None else b"null") + b"}"
+    return b"data: {" + HEAD + b',"choices":[' + choice + b"]}\n\n"
+
+
+HELD = (b"data: {" + HEAD + b',"choices":[{"index":0,"delta":{},"logprobs":null,'
+        b'"finish_reason":null,"token_ids":[226]}]}\n\n')  # a character not complete yet
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0,
+        "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+        "return_token_ids": True}
+
+
+def completion_event(text: str, ids: list[int], prompt: list[int] | None = None,
+                     finish: str | None = None, cid: str = "cmpl-new", created: int = 99
+                     ) -> bytes:
+    event = {"id": cid, "object": "text_completion", "created": created, "model": "m",
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                          "stop_reason": None, "prompt_token_ids": prompt, "token_ids": ids}]}
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_the_client_gets_the_stream_it_would_without_the_ids() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    assert record.take(ROLE_IDS) == ROLE
+    assert record.take(content("Hello", b"19556")) == content("Hello", None)
+    assert record.take(HELD) == b""  # exists only to carry an id
+    split = content(" there", b"665")
+    assert record.take(split[:20]) == b"" and record.take(split[20:]) == content(" there", None)
+    assert record.prompt_tokens == 3 and record.generated_tokens == 3
+    assert record.resumable
+
+
+def test_a_client_that_asked_for_the_ids_keeps_them() -> None:
+    record = ChatRecord(CHAT, ids_visible=True)
+    assert record.take(ROLE_IDS + content("Hi", b"5")) == ROLE_IDS + content("Hi", b"5")
+    assert record.take(HELD) == HELD
+    assert record.generated_tokens == 2
+
+
+def test_the_continuation_starts_after_the_last_id_the_client_has_text_for() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556") + content(" there", b"665,28") + HELD)
+    continuation = record.continuation()
+    body = json.loads(continuation.body or b"")
+    assert continuation.target == "/v1/completions"
+    assert body["prompt"] == [1, 9690, 198, 19556, 665, 28]  # not 226: its text never went out
+    assert body["max_tokens"] == 7 and body["temperature"] == 0 and body["seed"] == 3
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["return_token_ids"] is True and "messages" not in body
+
+
+def test_the_continuation_reads_as_the_same_chat_stream() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556"))
+    record.continuation()
+    first = record.take(completion_event(" there", [665], prompt=[1, 9690, 198, 19556]))
+    assert first == content(" there", None)
+    last = completion_event("", [2], finish="stop")
+    assert record.take(last) == content("", None, finish="stop")
+    usage = {"id": "cmpl-new", "object": "text_completion", "created": 99, "model": "m",
+             "choices": [], "usage": {"prompt_tokens": 5, "total_tokens": 7,
+                                      "completion_tokens": 2}, "system_fingerprint": "fp"}
+    out = record.take(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    assert json.loads(out.removeprefix(b"data: ")) == {
+        "id": "chatcmpl-a9", "object": "chat.completion.chunk", "created": 17, "model": "m",
+        "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3},
+        "system_fingerprint": "fp"}
+    assert record.take(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert record.finished and not record.resumable
+
+
+def test_a_second_fault_continues_from_the_continuations_ids() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556"))
+    record.continuation()
+    record.take(completion_event(" there", [665], prompt=[1, 9690, 198, 19556]))
+    again = json.loads(record.continuation().body or b"")
+    assert again["prompt"] == [1, 9690, 198, 19556, 665] and again["max_tokens"] == 8
+
+
+def test_a_completions_stream_keeps_its_id_across_the_seam() -> None:
+    body = {"prompt": "Once upon", "max_tokens": 4, "stream": True, "return_token_ids": True}
+    record = CompletionRecord(body, ids_visible=False)
+    out = record.take(completion_event(" the", [260], prompt=[6403, 1980], cid="cmpl-old",
+                                       created=5))
+    assert json.loads(out.removeprefix(b"data: "))["choices"][0] == {
+        "index": 0, "text": " the", "logprobs": None, "finish_reason": None,
+        "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+    assert json.loads(record.continuation().body or b"")["prompt"] == [6403, 1980, 260]
+    later = json.loads(record.take(completion_event(" end", [9], prompt=[6403, 1980, 260]))
+                       .removeprefix(b"data: "))
+    assert (later["id"], later["created"]) == ("cmpl-old", 5)
+    assert later["choices"][0]["prompt_token_ids"] is None and later["choices"][0]["text"] == " end"
+
+
+def test_a_stream_whose_last_token_came_ends_without_a_continuation() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hi", b"5", finish="length"))
+    assert record.finished and not record.resumable
+    usage = json.loads(record.tail().split(b"\n\n")[0].removeprefix(b"data: "))
+    assert usage["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    assert record.tail().endswith(b"data: [DONE]\n\n")
+
+
+def test_a_record_without_its_first_event_cannot_resume() -> None:
+    assert not ChatRecord(CHAT, ids_visible=False).resumable
+
+
+def test_streams_whose_state_is_more_than_their_tokens_do_not_resume() -> None:
+    plain: dict[str, Any] = {"stream": True}
+    assert plain_stream(plain) and plain_stream(plain | {"stop": None, "n": 1, "logprobs": False})
+    for extra in ({"stop": ["\n"]}, {"n": 2}, {"logprobs": True}, {"top_logprobs": 2},
+                  {"structured_outputs": {"regex": "a+"}}, {"tools": [{"type": "function"}]},
+                  {"response_format": {"type": "json_object"}}, {"echo": True},
+                  {"stream_options": {"continuous_usage_stats": True}}, {"stream": False}):
+        assert not plain_stream(plain | extra), extra
