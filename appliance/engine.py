@@ -44,6 +44,7 @@ class Waiting:
 
     def __init__(self) -> None:
         self._requests: dict[object, tuple[str, Pending]] = {}
+        self._named: dict[object, str] = {}  # fingerprints fixed at each request's first send
         self.sent = 0  # requests added so far: a new one is work the engine has not seen
 
     def add(self, key: object, request_id: str, pending: Pending) -> None:
@@ -52,18 +53,30 @@ class Waiting:
 
     def discard(self, key: object) -> None:
         self._requests.pop(key, None)
+        self._named.pop(key, None)
+
+    def fingerprint(self, key: object, body: bytes | None) -> str:
+        """The request's fingerprint, fixed by the first call (its first send, `body` as sent
+        then): a request sent again with a changed body (a resumed stream) keeps its name."""
+        named = self._named.get(key)
+        if named is None:
+            pending = self._requests[key][1]
+            named = self._named[key] = fingerprint(pending.target, pending.client_name,
+                                                   body or b"")
+        return named
 
     def __len__(self) -> int:
         return len(self._requests)
 
     def describe(self, bodies: bool = False) -> list[dict[str, Any]]:
-        """Each request's id, fingerprint, route, client and size; its body only if asked."""
+        """Each request's id, fingerprint (as fixed at its first send, or of its body now if it
+        was not sent yet), route, client and size; its body only if asked."""
         found = []
-        for request_id, pending in list(self._requests.values()):
+        for key, (request_id, pending) in list(self._requests.items()):
             client, raw = pending.client_name, pending.body() or b""
             entry: dict[str, Any] = {
                 "request_id": request_id, "route": pending.target, "client": client,
-                "fingerprint": fingerprint(pending.target, client, raw),
+                "fingerprint": self._named.get(key) or fingerprint(pending.target, client, raw),
                 "body_bytes": len(raw), "stream": pending.stream}
             if bodies:
                 entry["body"] = raw.decode("utf-8", "replace")

@@ -26,6 +26,7 @@ from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound
+from appliance.recovery.quarantine import Quarantine
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -44,6 +45,7 @@ class RelayDeps:
     gate: Gate
     upstream: Upstream
     metrics: RequestMetrics
+    quarantine: Quarantine
 
 
 class Watch:
@@ -158,6 +160,9 @@ class Relay:
             headers["content-type"] = "application/json"
         if outbound.priority is not None:  # vLLM reads it on every generation route
             headers[PRIORITY_HEADER] = str(outbound.priority)
+        # Never sent again once in flight at resume.quarantine_after engine deaths: one input
+        # that crashes the engine must not crash it each time its client retries.
+        deps.quarantine.check(deps.engine.waiting.fingerprint(self, body))
         meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
         async with deps.upstream.exchange(outbound.method, outbound.target, body, headers) as reply:
             if reply.status >= 300:

@@ -25,3 +25,18 @@ def test_a_fingerprint_names_route_client_and_body() -> None:
     assert len({base, fingerprint("/v1/completions", "a", b"{}"),
                 fingerprint("/v1/chat/completions", "b", b"{}"),
                 fingerprint("/v1/chat/completions", "a", b"{ }")}) == 4
+
+
+def test_a_fingerprint_is_fixed_at_the_first_send_whatever_the_body_becomes() -> None:
+    """A resumed request is sent again with a changed body: it keeps the name it died under."""
+    waiting, key = Waiting(), object()
+    request = Pending(SECRET)
+    waiting.add(key, "req-9", request)
+    first = waiting.fingerprint(key, SECRET)
+    assert first == fingerprint("/v1/chat/completions", "team-a", SECRET)
+    request.raw = b'{"messages": [], "max_tokens": 3}'
+    assert waiting.fingerprint(key, request.raw) == first
+    assert waiting.describe()[0]["fingerprint"] == first
+    waiting.discard(key)
+    waiting.add(key, "req-10", request)  # a new request under the same key is named afresh
+    assert waiting.fingerprint(key, request.raw) != first
