@@ -131,13 +131,9 @@ class Relay:
                 async with outbound.slot(deps.admission) as meter:
                     # Counted as work the worker owes until its answer is all read, so that
                     # the supervisor sees it even when the worker's own gauges froze.
-                    waiting = deps.engine.waiting
-                    waiting.add(self, self._request_id, outbound)
-                    try:
+                    with deps.engine.waiting.holding(self, self._request_id, outbound):
                         await outbound.fit_budget(deps.gate)
                         last = await self._exchange(send, watch, meter)
-                    finally:
-                        waiting.discard(self)
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
                 await send(last)

@@ -115,7 +115,7 @@ async def serve(settings: Settings) -> int:
     admission = Admission.from_settings(settings)
     # Only requests the API sends make the engine work: while none is, it is not read again;
     # while some wait on it, they are work even if the worker's own gauges froze.
-    waiting = Waiting()
+    waiting = Waiting(settings.policy.max_inflight)
     progress = ProgressMonitor(prober, sup, demand=lambda: (len(waiting), waiting.sent),
                                stillness=Stillness(sup, "/metrics"), server=server_activity)
     monitors: list[Monitor] = [

@@ -1,6 +1,6 @@
 """What the page draws for states the CPU test box cannot produce: a GPU's gauges (no GPU here),
-an engine held in `failed` and a quarantined request. The app is served in-process over a fake engine view; the
-page is the real one, in headless Chromium."""
+an engine held in `failed` and a quarantined request. The app is served in-process over a fake
+engine view; the page is the real one, in headless Chromium."""
 
 from __future__ import annotations
 
