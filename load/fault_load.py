@@ -72,13 +72,16 @@ STREAMS: dict[str, Callable[[list[Event]], Facts]] = {
 def request_body(route: str, prompt: str, model: str, max_tokens: int, tag: str) -> dict[str, Any]:
     _, protocol, stream = ROUTES[route]
     body: dict[str, Any] = {"model": model, "temperature": 0, "stream": stream}
-    if protocol == "completions":
-        return body | {"prompt": prompt, "max_tokens": max_tokens, "user": tag}
+    if protocol == "completions":  # vLLM's ignore_eos: every answer as long as its budget
+        return body | {"prompt": prompt, "max_tokens": max_tokens, "user": tag,
+                       "ignore_eos": True}
     if protocol == "responses":
         return body | {"input": prompt, "max_output_tokens": max_tokens, "user": tag,
                        "store": False}
     body |= {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    return body | ({"metadata": {"user_id": tag}} if protocol == "messages" else {"user": tag})
+    if protocol == "messages":
+        return body | {"metadata": {"user_id": tag}}
+    return body | {"user": tag, "ignore_eos": True}
 
 
 async def ask(client: httpx.AsyncClient, route: str, prompt: str, body: dict[str, Any],
@@ -207,7 +210,12 @@ def configuration(resume: bool, args: argparse.Namespace) -> Run:
             running_appliance(Path(tmp), None, resume__enabled=str(resume).lower(),
                               supervisor__crash_loop_restarts=str(CRASH_LOOP_OFF)) as appliance:
         appliance.wait_ready()
-        return asyncio.run(drive(appliance.url, name, args))
+        run = asyncio.run(drive(appliance.url, name, args))
+        bugs = [e for e in appliance.log_events() if e.get("event") == "request.unhandled_exception"]
+    for bug in bugs[:1]:  # the appliance's own 500s: the first traceback, for whoever fixes it
+        print(f"{name}: {len(bugs)} unhandled exception(s) in the appliance; the first:\n"
+              f"{bug.get('exception', bug)}", flush=True)
+    return run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
