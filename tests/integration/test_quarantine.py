@@ -20,7 +20,7 @@ from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.metrics_text import value
 
 MARKER = "synthetic:die"
-ATTEMPTS = 8  # the marker's client: more than enough to trip the crash-loop guard without it
+ATTEMPTS = 12  # the marker's client: enough to trip the crash-loop guard without the quarantine
 
 
 def ask(appliance: Appliance, prompt: str, attempts: int = ATTEMPTS,
@@ -67,7 +67,7 @@ def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_s
     assert marker.status_code == 422, (marker.status_code, marker.text)
     error = marker.json()["error"]  # the OpenAI shape, as the route speaks it
     assert error["code"] == "request_quarantined" and error["type"] == "invalid_request_error"
-    assert attempts == 3  # two sends that killed the engine, the third refused
+    assert attempts >= 3  # two sends that killed the engine (and 503s while it restarted)
     names = Counter(str(e.get("event")) for e in events)
     assert names["worker.spawned"] <= 3, names  # the first worker and at most two restarts
     failed = [e for e in events if e.get("event") == "engine.state" and e.get("new") == "failed"]
