@@ -35,6 +35,7 @@ from appliance.fences.litestar import client_left, route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import UNROUTED, RequestMetrics
+from appliance.recovery.quarantine import Quarantine
 from appliance.relay import RelayDeps
 from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
@@ -54,11 +55,13 @@ def create_app(
     clients: Roster | None = None,
     alive: Callable[[], bool] = lambda: True,
     engine_reading: EngineReading = lambda: None,
+    quarantine: Quarantine | None = None,
 ) -> Litestar:
     """Build the API around an engine view; nothing here reaches into the supervisor.
 
     `engine_reading` gives the worker's own counters as the supervisor last read them (the
-    status page's tokens/s and engine queue); without it those read as unknown."""
+    status page's tokens/s and engine queue); without it those read as unknown. `quarantine`
+    is told of engine deaths by the supervisor's crash forensics; without it none is counted."""
     # Client names only where /metrics asks for a key.
     metrics = RequestMetrics(registry or CollectorRegistry(),
                              client_names=settings.server.protect_ops_routes)
@@ -68,9 +71,12 @@ def create_app(
     clients = clients or Roster.from_settings(settings)
     upstream = Upstream(engine.base_url, Limits.of(settings.server), engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
-    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume)
+    quarantine = quarantine or Quarantine(settings.resume)
+    quarantine.listeners.append(metrics.quarantined)
+    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume, quarantine)
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
-    sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
+    sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading,
+                            quarantine)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
                                              *status.data_routes(sources)],
                         guards=[guards.key_guard(clients)] if settings.server.protect_ops_routes

@@ -9,6 +9,7 @@ ApiError                         any refusal or failure a client is told about
 ├── PayloadTooLarge (413)
 ├── HeadersTooLarge (431)        the request head's bytes or header count (the edge)
 ├── UnsupportedMediaType (415)   a generation request whose body is not JSON
+├── Unprocessable (422)          well-formed, but not sent again (a quarantined request)
 ├── TooManyRequests (429)        admission; carries Retry-After
 ├── InternalError (500)          a bug of ours (`bug`: the exception): logged with its traceback
 ├── UpstreamError (the worker's status)  the worker refused or failed; its message, our shape
@@ -102,6 +103,15 @@ class HeadersTooLarge(ApiError):
 
 class UnsupportedMediaType(ApiError):
     status = 415
+    kind = "invalid_request_error"
+
+
+class Unprocessable(ApiError):
+    """Well-formed and allowed, but this appliance will not send it (a quarantined request).
+    422: the SDKs retry 408, 409, 429 and 5xx on their own, never a 422, so the answer reaches
+    the caller instead of bringing the same request back."""
+
+    status = 422
     kind = "invalid_request_error"
 
 

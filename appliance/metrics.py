@@ -69,6 +69,9 @@ class RequestMetrics:
                                 "worker: replayed (nothing had reached the client) or resumed "
                                 "(a stream continued where it stopped).", ["route", "how"],
                                 registry=r)
+        self.quarantines = Counter("appliance_requests_quarantined",
+                                   "Requests refused (request_quarantined): in flight at "
+                                   "resume.quarantine_after engine deaths.", registry=r)
         self.unhandled_exceptions = Counter("appliance_unhandled_exceptions",
                                             "Requests that failed on a bug of the appliance.",
                                             ["route"], registry=r)
@@ -129,6 +132,11 @@ class RequestMetrics:
     def _client(self) -> str:
         name = CLIENT_NAME.get()
         return name if self._client_names or name in UNNAMED else NAMED
+
+    def quarantined(self, fingerprint: str) -> None:
+        """A request was refused by the quarantine (its fingerprint is in the log, not here:
+        a label per fingerprint would be unbounded)."""
+        self.quarantines.inc()
 
     def clamped(self) -> None:
         self.clamps.inc()

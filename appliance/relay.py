@@ -28,6 +28,7 @@ from appliance.fences.vllm import ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound
+from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
 from appliance.recovery.stream import Continuation
 from appliance.settings import ResumeSettings
@@ -51,6 +52,7 @@ class RelayDeps:
     upstream: Upstream
     metrics: RequestMetrics
     resume: ResumeSettings
+    quarantine: Quarantine
 
 
 class Watch:
@@ -141,6 +143,7 @@ class Relay:
         self._reply: Reply | None = None  # the worker's answer being read
         self._exits: contextlib.AsyncExitStack | None = None  # the exchanges this answer used
         self._original: Continuation | None = None  # the request as first sent
+        self._isolated: asyncio.Lock | None = None  # held while sent again as a suspect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
@@ -177,28 +180,25 @@ class Relay:
         outbound, deps = self._outbound, self._deps
         waiting = deps.engine.waiting
         request: Continuation | None = None
-        while True:
-            serial = deps.engine.serial
-            # Counted as work the worker owes until its answer is all read, so that the
-            # supervisor sees it even when the worker's own gauges froze.
-            waiting.add(self, self._request_id, outbound)
-            try:
-                if request is None:
-                    await outbound.fit_budget(deps.gate)
-                    request = self._original = Continuation(outbound.target, outbound.body())
-                return await self._exchange(send, watch, meter, request, serial)
-            except ApiError as error:
-                if self._started or not self._outlives(error):
-                    raise
-                await self._recover(error, serial, "replayed")  # then the same request again
-            finally:
-                waiting.discard(self)
+        # Counted as work the worker owes until its answer is all read, so that the supervisor
+        # sees it even when the worker's own gauges froze (set aside while no worker has it).
+        with waiting.holding(self, self._request_id, outbound):
+            while True:
+                serial = deps.engine.serial
+                try:
+                    if request is None:
+                        await outbound.fit_budget(deps.gate)
+                        request = self._original = Continuation(outbound.target, outbound.body())
+                    return await self._exchange(send, watch, meter, request, serial)
+                except ApiError as error:
+                    if self._started or not self._outlives(error):
+                        raise
+                    await self._recover(error, serial, "replayed")  # then the same again
 
     async def _exchange(self, send: Send, watch: Watch, meter: Meter, request: Continuation,
                         serial: int) -> Message:
         """Relays the answer but its last message, which it returns."""
         outbound = self._outbound
-        meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
         reply = await self._send(request, meter)
         if outbound.stream:
             return await self._stream(send, reply, watch, meter, serial)
@@ -216,8 +216,13 @@ class Relay:
             headers["content-type"] = "application/json"
         if outbound.priority is not None:  # vLLM reads it on every generation route
             headers[PRIORITY_HEADER] = str(outbound.priority)
+        # Never sent again once in flight at resume.quarantine_after engine deaths: one input
+        # that crashes the engine must not crash it each time it is retried.
+        deps = self._deps
+        deps.quarantine.check(deps.engine.waiting.fingerprint(self, request.body))
+        meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
         assert self._exits is not None
-        self._reply = reply = await self._exits.enter_async_context(self._deps.upstream.exchange(
+        self._reply = reply = await self._exits.enter_async_context(deps.upstream.exchange(
             outbound.method, request.target, request.body, headers))
         if reply.status >= 300:
             error = upstream_error(reply.status, await reply.read())
@@ -301,14 +306,33 @@ class Relay:
         if not await loss_confirmed(engine, serial, min(deps.resume.confirm_s,
                                                         deps.resume.max_wait_s)):
             raise error
-        # In flight at the death (the supervisor has read it); no work of the next worker yet.
-        engine.waiting.discard(self)
+        # In flight at the death (the supervisor has read it); no work of the next worker yet,
+        # nor in flight at its death if it dies booting.
+        engine.waiting.set_aside(self)
         if not await engine_back(engine, serial, deadline - time.monotonic()):
             raise error
         self._watch.follow_engine()
         engine.waiting.add(self, self._request_id, self._outbound)
+        await self._isolate()
         deps.metrics.outlived.labels(route=self._route, how=how).inc()
         log.info("request.outlived_engine_fault", how=how, worker=engine.serial)
+
+    async def _isolate(self) -> None:
+        """A request in flight at a death is sent again with no other such request beside it
+        until its answer begins (Quarantine.isolation)."""
+        quarantine, waiting = self._deps.quarantine, self._deps.engine.waiting
+        if self._isolated is not None or not quarantine.suspected(waiting.fingerprint(self, None)):
+            return
+        lock = quarantine.isolation
+        await lock.acquire()
+        self._isolated = lock
+        assert self._exits is not None
+        self._exits.callback(self._leave_isolation)
+
+    def _leave_isolation(self) -> None:
+        if self._isolated is not None:
+            self._isolated.release()
+            self._isolated = None
 
     def _break(self) -> None:
         """The engine was declared lost: the exchange under way fails where it is read."""
@@ -340,6 +364,8 @@ class Relay:
             self._first_at = None
         self._relayed_any = True
         self._so_far.relayed(chunk)
+        if self._isolated is not None:  # its answer began: the next suspect may go
+            self._leave_isolation()
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._outbound.headers)

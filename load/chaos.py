@@ -1,4 +1,5 @@
-"""Chaos during a load run: kill -9 or SIGSTOP the worker /health names, then watch it recover."""
+"""Chaos during a load run: kill -9 or SIGSTOP the worker /health names (or a process of its
+tree, such as its EngineCore), then watch a new worker become ready."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -19,8 +21,9 @@ class Strike:
     """One signal sent to one worker pid, and when (if ever) a new worker was ready."""
 
     action: str
-    pid: int
+    pid: int  # the process signalled
     at_s: float
+    worker: int  # the worker /health named then: recovered once another one is ready
     recovered_s: float | None = None
     new_pid: int | None = None
     resumed: bool = False  # a hung pid still stopped at the end was sent SIGCONT by us
@@ -39,9 +42,11 @@ class Chaos:
     """Alternates kill and hang, one at a time: the next strike comes `interval_s` after the
     last recovery, so that each strike hits a warm, loaded engine."""
 
-    def __init__(self, url: str, interval_s: float, headers: dict[str, str]) -> None:
+    def __init__(self, url: str, interval_s: float, headers: dict[str, str],
+                 victim: Callable[[int], int | None] = lambda worker: worker) -> None:
         self._client = httpx.Client(base_url=url, headers=headers, timeout=3.0, trust_env=False)
         self._interval_s = interval_s
+        self._victim = victim  # the worker's pid -> the pid to signal (None: not now)
         self._t0 = time.monotonic()
         self.strikes: list[Strike] = []
 
@@ -91,17 +96,18 @@ class Chaos:
                 strike.resumed = True
 
     def _strike(self, elapsed_s: float) -> None:
-        pid = self.ready_pid()
-        if pid is None or pid == os.getpid() or not psutil.pid_exists(pid):
+        worker = self.ready_pid()
+        pid = None if worker is None else self._victim(worker)
+        if worker is None or pid is None or pid == os.getpid() or not psutil.pid_exists(pid):
             return  # not ready (still recovering from something else): try on the next tick
         action, sig = ACTIONS[len(self.strikes) % len(ACTIONS)]
         os.kill(pid, sig)
-        self.strikes.append(Strike(action, pid, elapsed_s))
+        self.strikes.append(Strike(action, pid, elapsed_s, worker))
         print(f"chaos: t={elapsed_s:.1f} s {action} pid {pid}", flush=True)
 
     def _check_recovery(self, strike: Strike, elapsed_s: float) -> None:
         pid = self.ready_pid()
-        if pid is not None and pid != strike.pid:
+        if pid is not None and pid != strike.worker:
             strike.recovered_s, strike.new_pid = elapsed_s, pid
             print(f"chaos: t={elapsed_s:.1f} s ready again, pid {pid}", flush=True)
 

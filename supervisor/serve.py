@@ -21,6 +21,7 @@ from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState, Waiting
 from appliance.fences.uvicorn import ApiServer
+from appliance.recovery.quarantine import Quarantine
 from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.control import control_socket
@@ -114,7 +115,7 @@ async def serve(settings: Settings) -> int:
     admission = Admission.from_settings(settings)
     # Only requests the API sends make the engine work: while none is, it is not read again;
     # while some wait on it, they are work even if the worker's own gauges froze.
-    waiting = Waiting()
+    waiting = Waiting(settings.policy.max_inflight)
     progress = ProgressMonitor(prober, sup, demand=lambda: (len(waiting), waiting.sent),
                                stillness=Stillness(sup, "/metrics"), server=server_activity)
     monitors: list[Monitor] = [
@@ -127,9 +128,12 @@ async def serve(settings: Settings) -> int:
     reservation = size_gpu_reservation(settings)
     launcher = build_launcher(worker_settings(settings, reservation, gpu.uuid if gpu else None),
                               settings.policy.allowed_media_hosts)
+    # Each death's in-flight requests are counted against them: one that keeps killing the
+    # engine is refused (request_quarantined) before it trips the crash-loop guard.
+    quarantine = Quarantine(settings.resume)
     forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
-                         else {"status": "unavailable"})
+                         else {"status": "unavailable"}, deaths=quarantine.died)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu, waiting=waiting,
                             forensics=forensics)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
@@ -149,7 +153,7 @@ async def serve(settings: Settings) -> int:
     app = create_app(settings, manager, registry=registry, admission=admission, clients=clients,
                      alive=lambda: manager_task is not None and not manager_task.done(),
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
-                     else None)
+                     else None, quarantine=quarantine)
     protocol = edge_protocol(settings.server, EdgeMetrics(registry))
     server = ApiServer(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,

@@ -11,6 +11,7 @@ from prometheus_client import Counter
 from appliance.admission.slots import Admission
 from appliance.engine import EngineView
 from appliance.metrics import RequestMetrics
+from appliance.recovery.quarantine import Quarantine
 from appliance.settings import Settings
 from appliance.status.recent import EngineReading, Recent
 
@@ -25,10 +26,12 @@ class StatusSources:
     metrics: RequestMetrics
     recent: Recent
     engine_reading: EngineReading
+    quarantine: Quarantine
 
 
 def status_document(sources: StatusSources) -> dict[str, Any]:
-    """Engine (state, model, uptime, restarts, recent exits, GPU), requests, recent rates."""
+    """Engine (state, model, uptime, restarts, recent exits, GPU), requests (with those
+    quarantined), recent rates."""
     reading = sources.engine_reading()
     metrics, recent = sources.metrics, sources.recent
     series = recent.series()
@@ -43,6 +46,7 @@ def status_document(sources: StatusSources) -> dict[str, Any]:
             "engine_waiting": reading.waiting if reading is not None else None,
             "rejected": _by_label(metrics.rejections, "reason"),
             "disconnect_aborts": _by_label(metrics.disconnects, "stream"),
+            "quarantined": sources.quarantine.snapshot(),
         },
         "recent": {
             "window_s": sources.settings.status.rate_window_s,

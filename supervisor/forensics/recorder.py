@@ -4,7 +4,8 @@
   their relays end them (fingerprints, routes, clients, sizes; bodies only by setting);
 - before_stop: for a hang, the stacks of the worker's processes while they still exist;
 - stopped: the bundle is written (cause, stop time, the worker's last output lines, the
-  engine's last metrics, GPU readings and Xids);
+  engine's last metrics, GPU readings and Xids), and the fingerprints in flight are told to
+  whoever counts deaths per request (the API's quarantine, appliance.recovery);
 - recovered: the restart timings are added once the next worker is ready.
 """
 
@@ -36,13 +37,15 @@ class Recorder:
     def __init__(self, settings: Settings, waiting: Waiting, *,
                  metrics: Callable[[], EngineStats | None],
                  gpu: Callable[[], dict[str, Any]],
-                 bundles: Bundles | None = None, py_spy: str | None = None) -> None:
+                 bundles: Bundles | None = None, py_spy: str | None = None,
+                 deaths: Callable[[list[str]], None] | None = None) -> None:
         self._crash = settings.crashes
         self._waiting = waiting
         self._metrics = metrics
         self._gpu = gpu
         self.bundles = bundles or Bundles(settings.crashes)
         self._py_spy = py_spy or find_py_spy(settings.engine.python)
+        self._deaths = deaths  # told each death's in-flight fingerprints
         self._in_flight: list[dict[str, Any]] | None = None
         self._stacks: dict[str, str] | None = None
         self._written: tuple[str, dict[str, Any]] | None = None
@@ -62,6 +65,8 @@ class Recorder:
         self._in_flight, self._stacks, self._written = None, None, None
         if cause.reason is ExitReason.STOPPED:
             return
+        if self._deaths is not None:
+            self._deaths([entry["fingerprint"] for entry in in_flight])
         stats = self._metrics()
         tail = list(worker.tail)[-self._crash.log_lines:] if self._crash.log_lines else []
         bundle: dict[str, Any] = {

@@ -1,6 +1,6 @@
-"""What the page draws for states the CPU test box cannot produce: a GPU's gauges (no GPU here)
-and an engine held in `failed`. The app is served in-process over a fake engine view; the
-page is the real one, in headless Chromium."""
+"""What the page draws for states the CPU test box cannot produce: a GPU's gauges (no GPU here),
+an engine held in `failed` and a quarantined request. The app is served in-process over a fake
+engine view; the page is the real one, in headless Chromium."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import uvicorn
 
 from appliance.app import create_app
 from appliance.engine import EngineState
-from appliance.settings import Settings
+from appliance.recovery.quarantine import Quarantine
+from appliance.settings import ResumeSettings, Settings
 from tests.integration.browser import chromium
 from tests.net import free_port
 from tests.unit.appliance.fakes import FakeEngine
@@ -38,8 +39,12 @@ class GpuEngine(FakeEngine):
 def served() -> Iterator[str]:
     port = free_port()
     engine = GpuEngine("http://127.0.0.1:9", state=EngineState.FAILED)
-    server = uvicorn.Server(uvicorn.Config(create_app(Settings(), engine), host="127.0.0.1",
-                                           port=port, log_config=None, lifespan="on"))
+    quarantine = Quarantine(ResumeSettings())
+    for _ in range(2):  # one input in flight at two engine deaths
+        quarantine.died(["0123456789abcdef"])
+    app = create_app(Settings(), engine, quarantine=quarantine)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+                                           lifespan="on"))
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
@@ -65,6 +70,7 @@ def test_a_gpu_and_a_failed_engine_are_drawn_from_status_json(served: str,
             assert shown in gpu, (shown, gpu)
         assert "no restart" in page.text("exits") and "gpu_fatal" in page.text("exits")
         assert page.text("supervisor-uptime") == "1h 02m"
+        assert page.text("quarantined").startswith("1: 0123456789abcdef (2 deaths, refused 0")
         assert not page.by_id("send").is_enabled()
         page.screenshot(artefacts / "gpu-failed.png")
         assert page.errors() == []

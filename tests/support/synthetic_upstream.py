@@ -15,6 +15,8 @@ Options that make it behave like the real worker where tests need it to:
                  that is not an object (vLLM 0.32 crashes on `true`), gets vLLM's 500 and then the
                  connection is dropped without notice, a moment later (CRASH_CLOSE_DELAY_S), as a
                  crashing worker drops it: a client that reuses it at once loses its request.
+  --die-on TEXT  a generation request holding TEXT kills the whole worker (SIGKILL to itself),
+                 as an input that crashes the engine does (the quarantine's tests).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 import uuid
@@ -44,8 +48,9 @@ FINGERPRINT = "vllm-synthetic-0000"
 
 class SyntheticWorker:
     def __init__(self, tokens: int, token_delay_s: float, model: str, *, faults: bool = False,
-                 root: str | None = None) -> None:
+                 root: str | None = None, die_on: str | None = None) -> None:
         self.tokens = tokens
+        self.die_on = die_on
         self.delay = token_delay_s
         self.model = model
         self.faults = faults
@@ -111,6 +116,8 @@ class SyntheticWorker:
     async def _complete(self, scope: Scope, receive: Any, send: Any,
                         request: dict[str, Any]) -> None:
         self.generated += 1
+        if self.die_on is not None and self.die_on in json.dumps(request):
+            os.kill(os.getpid(), signal.SIGKILL)
         fault = _vllm_fault(request) if self.faults else None
         if fault is not None:
             await _json(send, fault["error"]["code"], fault)
@@ -391,13 +398,16 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--model", default="synthetic")
     parser.add_argument("--faults", action="store_true", help="vLLM's 400s and crashes (see above)")
+    parser.add_argument("--die-on", help="a generation request holding this text kills the "
+                                         "worker (SIGKILL), as a poison input crashes an engine")
     parser.add_argument("--boot-s", type=float, default=0.0,
                         help="seconds before it listens, as a real engine loads its model")
     parser.add_argument("--uds", help="listen on this Unix socket too, as vLLM's --uds (the "
                                       "appliance's way in; the port stays for direct runs)")
     args = parser.parse_args()
     time.sleep(args.boot_s)
-    app = SyntheticWorker(args.tokens, args.token_delay, args.model, faults=args.faults)
+    app = SyntheticWorker(args.tokens, args.token_delay, args.model, faults=args.faults,
+                          die_on=args.die_on)
     if args.uds is None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         return

@@ -136,6 +136,19 @@
     $("disconnects").textContent = (aborts["true"] || 0) + " streaming · " + (aborts["false"] || 0) + " other";
     const reasons = Object.entries(requests.rejected || {}).sort((a, b) => b[1] - a[1]);
     $("rejected").textContent = reasons.length ? reasons.map(([r, n]) => r + " " + n).join(" · ") : "none";
+    renderQuarantined(requests.quarantined);
+  }
+
+  // Fingerprints only: the request itself is in the crash bundles, on the appliance's console.
+  function renderQuarantined(held) {
+    if (!held || !held.count) {
+      $("quarantined").textContent = "none";
+      return;
+    }
+    const last = (entry) => clock(entry.last_refused_at || entry.last_death_at);
+    $("quarantined").textContent = held.count + ": " + held.newest.map((entry) =>
+      entry.fingerprint + " (" + entry.deaths + " deaths, refused " + entry.refused + ", last " +
+      last(entry) + ")").join(" · ");
   }
 
   function renderGpu(gpu) {

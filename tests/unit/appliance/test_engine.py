@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from appliance.engine import Waiting, fingerprint
+from appliance.errors import BadRequest, UpstreamError, engine_lost
 from tests.unit.appliance.pending import SECRET, Pending
 
 
@@ -25,3 +29,58 @@ def test_a_fingerprint_names_route_client_and_body() -> None:
     assert len({base, fingerprint("/v1/completions", "a", b"{}"),
                 fingerprint("/v1/chat/completions", "b", b"{}"),
                 fingerprint("/v1/chat/completions", "a", b"{ }")}) == 4
+
+
+def test_a_fingerprint_is_fixed_at_the_first_send_whatever_the_body_becomes() -> None:
+    """A resumed request is sent again with a changed body: it keeps the name it died under."""
+    waiting, key = Waiting(), object()
+    request = Pending(SECRET)
+    waiting.add(key, "req-9", request)
+    first = waiting.fingerprint(key, SECRET)
+    assert first == fingerprint("/v1/chat/completions", "team-a", SECRET)
+    request.raw = b'{"messages": [], "max_tokens": 3}'
+    assert waiting.fingerprint(key, request.raw) == first
+    assert waiting.describe()[0]["fingerprint"] == first
+    waiting.discard(key)
+    waiting.add(key, "req-10", request)  # a new request under the same key is named afresh
+    assert waiting.fingerprint(key, request.raw) != first
+
+
+def hold(waiting: Waiting, raw: bytes, error: BaseException | None = None) -> None:
+    """One request through `holding`, ending on `error` (or answered in full)."""
+    with (contextlib.suppress(type(error) if error is not None else ()),
+          waiting.holding(object(), f"req-{raw!r}", Pending(raw))):
+        if error is not None:
+            raise error
+
+
+def test_a_request_the_engine_failed_is_described_once_at_the_next_death() -> None:
+    """A crashing worker fails its requests before its exit is seen: they were in flight."""
+    waiting = Waiting()
+    hold(waiting, b"poison", engine_lost(1))
+    hold(waiting, b"refused", BadRequest("no"))  # the client's mistake: nothing to do with it
+    hold(waiting, b"left", asyncio.CancelledError())  # the client left, or the death was seen
+    assert len(waiting) == 0
+    [entry] = waiting.describe()
+    assert entry["fingerprint"] == fingerprint("/v1/chat/completions", "team-a", b"poison")
+    assert entry["failed"] is True
+    assert waiting.describe() == []  # told once: the next death is another
+
+
+def test_a_failure_is_forgotten_once_a_request_sent_after_it_is_answered() -> None:
+    waiting = Waiting()
+    with waiting.holding(object(), "req-before", Pending(b"before")):  # sent before the failure
+        hold(waiting, b"failed", UpstreamError(500, "EngineCore died", param=None, code=None))
+    # answered after the failure, but it was sent before: it proves nothing about the engine
+    assert [e["failed"] for e in waiting.describe()] == [True]
+    hold(waiting, b"failed", engine_lost(1))
+    hold(waiting, b"after")  # sent after the failure and answered: the engine outlived it
+    assert waiting.describe() == []
+
+
+def test_failed_requests_are_kept_up_to_cut_kept() -> None:
+    waiting = Waiting(cut_kept=2)
+    for n in range(3):
+        hold(waiting, f"failed {n}".encode(), engine_lost(1))
+    assert [e["fingerprint"] for e in waiting.describe()] == [
+        fingerprint("/v1/chat/completions", "team-a", f"failed {n}".encode()) for n in (1, 2)]

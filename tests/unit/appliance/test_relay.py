@@ -23,6 +23,7 @@ from appliance.errors import ApiError, NotFound, engine_lost
 from appliance.gate.gate import Vetted
 from appliance.metrics import RequestMetrics
 from appliance.outbound import PassThrough
+from appliance.recovery.quarantine import Quarantine
 from appliance.relay import Relay, RelayDeps
 from appliance.settings import ResumeSettings, Settings
 from tests.metrics_text import value
@@ -127,8 +128,11 @@ class Setup:
         worker.admission = self.admission
         self.gate = Gate(self.admission)
         self.client = Client(self.admission)
+        self.quarantine = Quarantine(ResumeSettings())
+        self.quarantine.listeners.append(self.metrics.quarantined)  # as the app wires it
         self.deps = RelayDeps(self.engine, self.admission, self.gate, worker,  # type: ignore[arg-type]
-                              self.metrics, ResumeSettings(enabled=resume, max_wait_s=5))
+                              self.metrics, ResumeSettings(enabled=resume, max_wait_s=5),
+                              self.quarantine)
 
     async def run(self, outbound: Any) -> None:
         scope = {"type": "http", "path": ROUTE, "path_template": ROUTE, "headers": []}
@@ -224,6 +228,51 @@ async def test_a_client_that_left_gets_nothing_more_and_is_counted_as_a_disconne
     assert setup.client.body == b"data: 1\n\n"
     assert setup.count("appliance_client_disconnects_total", stream="true") == 1
     assert setup.admission.in_flight == 0
+
+
+
+async def killed_twice(setup: Setup, outbound: Any) -> list[str]:
+    """Sends `outbound` twice; each time the engine dies with it in flight, and the quarantine
+    is told what the forensics see in flight then. Returns those fingerprints."""
+    seen: list[str] = []
+
+    async def die(index: int) -> None:
+        [entry] = setup.engine.waiting.describe()
+        seen.append(entry["fingerprint"])
+        setup.quarantine.died(seen[-1:])
+
+    setup.worker.reply = Reply(200, [b'{"ok": true}'], die)
+    for _ in range(2):
+        await setup.run(outbound)
+    return seen
+
+
+async def test_a_request_in_flight_at_two_engine_deaths_is_refused_in_its_routes_shape() -> None:
+    setup = Setup(Worker())
+    seen = await killed_twice(setup, chat(stream=True))
+    assert len(seen) == 2 and seen[0] == seen[1]  # what the relay checks is what was in flight
+    sent = len(setup.worker.sent)
+    with capture_logs() as logs:
+        await setup.run(chat(stream=True))
+    assert len(setup.worker.sent) == sent  # not sent to the worker again
+    assert setup.client.messages[-2]["status"] == 422
+    error = json.loads(setup.client.messages[-1]["body"])["error"]
+    assert error["code"] == "request_quarantined" and seen[0] in error["message"]
+    assert ("request.quarantined", seen[0]) in [(e["event"], e.get("fingerprint")) for e in logs]
+    assert setup.count("appliance_requests_quarantined_total") == 1
+    assert setup.admission.in_flight == 0 and len(setup.engine.waiting) == 0
+    other = {"messages": [{"role": "user", "content": "something else"}]}
+    await setup.run(Vetted(CHAT, other, json.dumps(other).encode()))
+    assert setup.client.messages[-2]["status"] == 200  # another body, another fingerprint
+
+
+async def test_a_quarantined_anthropic_request_gets_anthropics_error_shape() -> None:
+    setup = Setup(Worker())
+    assert len(await killed_twice(setup, chat(stream=True, api=MESSAGES))) == 2
+    await setup.run(chat(stream=True, api=MESSAGES))
+    assert setup.client.messages[-2]["status"] == 422
+    body = json.loads(setup.client.messages[-1]["body"])
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
 
 
 # --- outliving an engine fault (resume on) -------------------------------------------------

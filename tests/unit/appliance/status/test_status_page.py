@@ -11,7 +11,8 @@ from litestar import Litestar
 
 from appliance.app import create_app
 from appliance.engine import EngineState
-from appliance.settings import Settings
+from appliance.recovery.quarantine import Quarantine
+from appliance.settings import ResumeSettings, Settings
 from tests.unit.appliance.fakes import FakeEngine, FakeReading
 
 pytestmark = pytest.mark.anyio
@@ -100,3 +101,17 @@ async def test_status_json_follows_protect_ops_routes_and_the_shell_does_not() -
 async def test_the_shell_and_its_assets_name_their_charset_once(path: str, content_type: str) -> None:
     asset = await get(create_app(Settings(), FakeEngine("http://127.0.0.1:9")), path)
     assert asset.headers["content-type"] == content_type
+
+
+async def test_status_json_shows_the_quarantined_fingerprints_and_the_page_renders_them() -> None:
+    quarantine = Quarantine(ResumeSettings())
+    app = create_app(Settings(), FakeEngine("http://127.0.0.1:9"), quarantine=quarantine)
+    assert (await get(app, "/status.json")).json()["requests"]["quarantined"]["count"] == 0
+    quarantine.died(["fp-poison", "fp-bystander"])
+    quarantine.died(["fp-poison"])
+    held = (await get(app, "/status.json")).json()["requests"]["quarantined"]
+    assert held["count"] == 1 and held["after_deaths"] == 2
+    assert [(e["fingerprint"], e["deaths"]) for e in held["newest"]] == [("fp-poison", 2)]
+    script = (await get(app, "/ui/status.js")).text
+    assert 'renderQuarantined(requests.quarantined)' in script
+    assert 'id="quarantined"' in (await get(app, "/")).text

@@ -156,3 +156,20 @@ async def test_stacks_of_a_stopped_process_are_read_from_proc_without_py_spy() -
     finally:
         child.kill()
         await child.wait()
+
+
+async def test_each_death_tells_its_in_flight_fingerprints_and_a_stop_tells_none(
+        tmp_path: Path) -> None:
+    """What the quarantine counts (appliance.recovery): the fingerprints the bundle names."""
+    waiting, told = Waiting(), []
+    waiting.add(object(), "req-1", Pending(SECRET))
+    rec = Recorder(settings(tmp_path), waiting, metrics=lambda: None,
+                   gpu=lambda: {"status": "unavailable"}, py_spy="/nonexistent/py-spy",
+                   deaths=told.append)
+    rec.lost()
+    rec.stopped(FakeWorker(), hung(), 0.1)
+    bundle = json.loads((tmp_path / f"{rec.last}.json").read_text())
+    assert told == [[bundle["in_flight"][0]["fingerprint"]]]
+    rec.lost()
+    rec.stopped(FakeWorker(), ExitCause("running", ExitReason.STOPPED, "stop requested"), 0.1)
+    assert len(told) == 1

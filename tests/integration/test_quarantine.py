@@ -1,0 +1,84 @@
+"""One input that kills the engine does not keep the box in a crash loop: after two engine deaths
+with it in flight it is refused (request_quarantined), while another client is served.
+
+Over the synthetic worker started with --die-on (it SIGKILLs itself on the marker, as an engine
+crashes on a poison input): the real supervisor sees each death, its forensics tell the
+quarantine what was in flight, and the relay refuses the marker's third send. Both clients
+retry on 503 as the SDKs do (Retry-After, a bounded number of times)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from tests.integration.harness import Appliance, running_synthetic_appliance
+from tests.metrics_text import value
+
+MARKER = "synthetic:die"
+ATTEMPTS = 12  # the marker's client: enough to trip the crash-loop guard without the quarantine
+
+
+def ask(appliance: Appliance, prompt: str, attempts: int = ATTEMPTS,
+        wait_cap_s: float = 1.0) -> tuple[httpx.Response, int]:
+    """A chat completion retried on 503 as an SDK retries it: the same body each time."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+    for attempt in range(1, attempts + 1):
+        response = httpx.post(f"{appliance.url}/v1/chat/completions", json=body, timeout=30)
+        if response.status_code != 503 or attempt == attempts:
+            return response, attempt
+        time.sleep(min(float(response.headers.get("retry-after", "1")), wait_cap_s))
+    raise AssertionError("unreachable")
+
+
+def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_served(
+        tmp_path: Path) -> None:
+    with running_synthetic_appliance(tmp_path, "--die-on", MARKER, "--tokens", "4",
+                                     supervisor__crash_loop_restarts="3",
+                                     server__retry_after_s="1") as appliance:
+        appliance.wait_ready(60)
+        served: list[int] = []
+        done = threading.Event()
+
+        def other_client() -> None:
+            number = 0
+            while not done.is_set() or number < 3:
+                response, _ = ask(appliance, f"question {number}", attempts=60, wait_cap_s=0.3)
+                served.append(response.status_code)
+                number += 1
+                time.sleep(0.2)
+
+        other = threading.Thread(target=other_client)
+        other.start()
+        try:
+            marker, attempts = ask(appliance, f"please {MARKER} now")
+        finally:
+            done.set()
+            other.join(120)
+        after, _ = ask(appliance, "and after it", attempts=1)
+        status = httpx.get(f"{appliance.url}/status.json", timeout=10).json()
+        metrics = httpx.get(f"{appliance.url}/metrics", timeout=10).text
+        events = appliance.log_events()
+
+    assert marker.status_code == 422, (marker.status_code, marker.text)
+    error = marker.json()["error"]  # the OpenAI shape, as the route speaks it
+    assert error["code"] == "request_quarantined" and error["type"] == "invalid_request_error"
+    assert attempts >= 3  # two sends that killed the engine (and 503s while it restarted)
+    names = Counter(str(e.get("event")) for e in events)
+    assert names["worker.spawned"] <= 3, names  # the first worker and at most two restarts
+    failed = [e for e in events if e.get("event") == "engine.state" and e.get("new") == "failed"]
+    assert failed == [], "the crash-loop guard was reached"
+    assert served and set(served) == {200}, served  # the other client got every answer
+    assert after.status_code == 200
+    [quarantined] = [e for e in events if e.get("event") == "request.quarantined"]
+    bundles = [json.loads(p.read_text()) for p in sorted((tmp_path / "crashes").glob("*.json"))]
+    assert len(bundles) == 2
+    for bundle in bundles:  # the log names the fingerprint the crash bundles recorded
+        assert quarantined["fingerprint"] in {r["fingerprint"] for r in bundle["in_flight"]}
+    held = status["requests"]["quarantined"]
+    assert held["count"] == 1 and held["newest"][0]["fingerprint"] == quarantined["fingerprint"]
+    assert value(metrics, "appliance_requests_quarantined_total") == 1
