@@ -98,6 +98,8 @@ class ServerSettings(_Group):
     # TLS on the API port: both or neither; re-read on reload (certificate rotation).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
+    # A TLS handshake not done by then is dropped (asyncio's own default: 60 s).
+    tls_handshake_timeout_s: float = Field(5.0, gt=0)
     # The operator's socket (reload); None: <run dir>/control-<port>.sock.
     control_socket: Path | None = None
 
