@@ -35,6 +35,7 @@ from appliance.fences.litestar import client_left, route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import UNROUTED, RequestMetrics
+from appliance.policy.cost_watch import CostWatch
 from appliance.relay import RelayDeps
 from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
@@ -68,7 +69,8 @@ def create_app(
     clients = clients or Roster.from_settings(settings)
     upstream = Upstream(engine.base_url, Limits.of(settings.server), engine.retry_after_s)
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
-    relay = RelayDeps(engine, admission, gate, upstream, metrics)
+    relay = RelayDeps(engine, admission, gate, upstream, metrics,
+                      CostWatch(settings.constraints, metrics.too_costly))
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading)
     operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),

@@ -26,6 +26,7 @@ from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound
+from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -44,10 +45,12 @@ class RelayDeps:
     gate: Gate
     upstream: Upstream
     metrics: RequestMetrics
+    cost: CostWatch
 
 
 class Watch:
-    """Cancels the owning task when the client disconnects or the engine is lost; says which.
+    """Cancels the owning task when the client disconnects, the engine is lost or the cost
+    watch found the request too costly; says which.
 
     The client's connection tells through its ClientLink where the server gives one; under
     any other ASGI server a task waits in `receive()` for the disconnect."""
@@ -92,6 +95,9 @@ class Watch:
     def _engine_lost(self) -> None:
         self._fire("engine_lost")
 
+    def too_costly(self) -> None:
+        self._fire("too_costly")
+
     def _fire(self, reason: str) -> None:
         if self._armed and self.reason is None:
             self.reason = reason
@@ -116,6 +122,7 @@ class Relay:
         self._started = False  # the head has gone to the client
         self._sending = False  # a chunk is on its way through ASGI: none may pass it
         self._first_at: float | None = None  # the request's arrival, until the first chunk
+        self._cost: Followed  # from the moment it is at the engine (the cost watch follows it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
@@ -133,7 +140,8 @@ class Relay:
                     waiting.add(self, self._request_id, outbound)
                     try:
                         await outbound.fit_budget(deps.gate)
-                        last = await self._exchange(send, watch, meter)
+                        with deps.cost.follow(outbound.payload, watch.too_costly) as self._cost:
+                            last = await self._exchange(send, watch, meter)
                     finally:
                         waiting.discard(self)
                 # The slot is given back and the usage charged before the client can see the
@@ -212,6 +220,7 @@ class Relay:
             self._deps.metrics.first_token(self._route, time.perf_counter() - self._first_at)
             self._first_at = None
         self._so_far.relayed(chunk)
+        self._cost.progressed(chunk.count(b"data:"))
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._outbound.headers)
@@ -226,6 +235,9 @@ class Relay:
             self._deps.metrics.disconnected(self._outbound.stream)
             log.info("request.client_disconnected", stream=self._outbound.stream)
             return  # nobody is listening; leaving the exchange closed the upstream
+        if reason == "too_costly" and self._cost.verdict is not None:
+            await self._fail(send, self._cost.verdict.logged())
+            return
         retry_after_s = self._deps.engine.retry_after_s()
         # Before the head the client got nothing: the engine was unavailable to it.
         await self._fail(send, engine_lost(retry_after_s) if self._started
