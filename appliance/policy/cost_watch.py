@@ -10,7 +10,8 @@ grammar within them still grows costlier with each token: measured on the CPU wo
 `s ::= s s s | s s | [a-z ]` went from 0.05 to 0.36 s a token in 40 tokens). So the watch
 measures the engine's time per token, and when it stays above `slow_factor` x its norm for
 `slow_tokens` tokens while more than one request is at the engine, it aborts the constrained
-request that has been there longest (then the next, if the steps stay slow). A request alone
+request that has been there longest, if it was there when those slow tokens began (then the
+next, if the steps stay slow). A request alone
 costs only itself and is left to finish.
 
 Where the time per token comes from: the streams the relay forwards. In a batch each running
@@ -81,7 +82,8 @@ class Followed:
     since: float
     constraint: str | None  # the parameter of its output constraint; None: unconstrained
     abort: Callable[[], None]
-    gaps: deque[float]
+    gaps: deque[float]  # seconds a token, its last few
+    began: deque[float]  # when each of those gaps began
     last_event: float | None = None
     tokens: int = 0
     verdict: Verdict | None = field(default=None)
@@ -107,8 +109,9 @@ class CostWatch:
         """While the request is at the engine. `abort` cancels its exchange; a peer that comes
         while the engine is already slow gets the costly one aborted at once."""
         constraint = next((param for param, _, _ in find_constraints(body)), None)
-        followed = Followed(self, self._clock(), constraint, abort,
-                            deque(maxlen=self._limits.slow_tokens))
+        window = self._limits.slow_tokens
+        followed = Followed(self, self._clock(), constraint, abort, deque(maxlen=window),
+                            deque(maxlen=window))
         self._at_engine.append(followed)
         try:
             self._judge()
@@ -128,6 +131,7 @@ class CostWatch:
         if followed.last_event is not None:  # the first is the queue's and the prefill's time
             gap = (now - followed.last_event) / max(events, 1)
             followed.gaps.append(gap)
+            followed.began.append(followed.last_event)
             if all(peer.constraint is None for peer in self._at_engine):
                 self._norm.append(gap)
         followed.last_event = now
@@ -137,21 +141,24 @@ class CostWatch:
     def _judge(self) -> None:
         if not self._limits.abort_when_slow or len(self._at_engine) < 2:
             return  # a request alone slows nobody else
-        suspect = next((f for f in self._at_engine if f.constraint is not None), None)
-        if suspect is None:
-            return
         norm = self.norm_s()
         bound = norm * self._limits.slow_factor
-        slow = [f for f in self._at_engine
-                if len(f.gaps) == f.gaps.maxlen and min(f.gaps) > bound]
-        if not slow:
+        slow = next((f for f in self._at_engine
+                     if len(f.gaps) == f.gaps.maxlen and min(f.gaps) > bound), None)
+        if slow is None:
             return
-        assert suspect.constraint is not None
-        suspect.verdict = Verdict(suspect.constraint, statistics.median(slow[0].gaps), norm, bound,
+        # Only one that was at the engine when the slow steps began can have made them slow: a
+        # constrained request that comes to an engine already slow is not the cause.
+        suspect = next((f for f in self._at_engine
+                        if f.constraint is not None and f.since <= slow.began[0]), None)
+        if suspect is None or suspect.constraint is None:
+            return
+        suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
                                   suspect.tokens, self._clock() - suspect.since,
                                   len(self._at_engine) - 1)
         self._at_engine.remove(suspect)
         for peer in self._at_engine:  # judged again only on steps taken after this abort
             peer.gaps.clear()
+            peer.began.clear()
         self._aborted.inc()
         suspect.abort()

@@ -130,3 +130,17 @@ def test_the_norm_is_learnt_only_while_no_constrained_request_runs() -> None:
         assert b.watch.norm_s() == pytest.approx(0.05)
         b.tokens([victim], 1, 0.01)  # below the floor: the floor stands
         assert b.watch.norm_s() == pytest.approx(0.05)
+
+
+def test_a_constrained_request_that_comes_to_an_engine_already_slow_is_not_the_cause() -> None:
+    """Slow steps that began before it came (a long prefill, a full batch) are not its doing."""
+    with bench() as b:
+        plain = [b.follow("a", PLAIN), b.follow("b", PLAIN)]
+        b.tokens(plain, 20, 0.05)  # the norm
+        b.tokens(plain, 5, 1.0)
+        late = b.follow("late", GRAMMAR)
+        assert b.aborted == []
+        b.tokens([*plain, late], 2, 1.0)  # the window still began before it came
+        assert b.aborted == []
+        b.tokens([*plain, late], 1, 1.0)  # now slow since it has been there, and still slow
+        assert b.aborted == ["late"]
