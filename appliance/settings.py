@@ -240,8 +240,8 @@ class ConstraintSettings(_Group):
     max_choices: int = Field(256, ge=1)
     # At run time (appliance/policy/cost_watch.py): while more than one request is at the
     # engine and its time per token stays above slow_factor x its norm (never taken below
-    # slow_norm_floor_s) for slow_tokens tokens, the constrained request there longest is
-    # aborted (request_too_costly).
+    # slow_norm_floor_s) for slow_tokens tokens, the constrained request there longest (and
+    # there when the slow tokens began) is aborted (request_too_costly).
     abort_when_slow: bool = True
     slow_factor: float = Field(4.0, gt=1)
     slow_norm_floor_s: float = Field(0.02, gt=0)
