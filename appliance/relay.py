@@ -25,7 +25,7 @@ from appliance.errors import ApiError, engine_lost, engine_unavailable, internal
 from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
-from appliance.outbound import Outbound
+from appliance.outbound import Outbound, PassThrough
 from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.upstream import Reply, Upstream
 
@@ -140,7 +140,9 @@ class Relay:
                     waiting.add(self, self._request_id, outbound)
                     try:
                         await outbound.fit_budget(deps.gate)
-                        with deps.cost.follow(outbound.payload, watch.too_costly) as self._cost:
+                        with deps.cost.follow(outbound.payload, watch.too_costly,
+                                              engine_work=not isinstance(outbound, PassThrough)
+                                              ) as self._cost:
                             last = await self._exchange(send, watch, meter)
                     finally:
                         waiting.discard(self)

@@ -86,6 +86,7 @@ class Followed:
     began: deque[float]  # when each of those gaps began
     last_event: float | None = None
     tokens: int = 0
+    watched: bool = True  # at the engine, not yet aborted: its progress is judged
     verdict: Verdict | None = field(default=None)
 
     def progressed(self, events: int) -> None:
@@ -103,44 +104,57 @@ class CostWatch:
         self._clock = clock
         self._norm: deque[float] = deque(maxlen=_NORM_GAPS)
         self._at_engine: list[Followed] = []  # oldest first
+        self._constrained = 0  # of them: while none is, an event costs no look at the others
 
     @contextlib.contextmanager
-    def follow(self, body: Mapping[str, Any], abort: Callable[[], None]) -> Iterator[Followed]:
+    def follow(self, body: Mapping[str, Any], abort: Callable[[], None], *,
+               engine_work: bool = True) -> Iterator[Followed]:
         """While the request is at the engine. `abort` cancels its exchange; a peer that comes
-        while the engine is already slow gets the costly one aborted at once."""
+        while the engine is already slow gets the costly one aborted at once. A request that is
+        no engine work (a pass-through: models, tokenize, a stored response) is not followed."""
         constraint = next((param for param, _, _ in find_constraints(body)), None)
         window = self._limits.slow_tokens
         followed = Followed(self, self._clock(), constraint, abort, deque(maxlen=window),
                             deque(maxlen=window))
+        if not engine_work:
+            followed.watched = False
+            yield followed
+            return
         self._at_engine.append(followed)
+        self._constrained += constraint is not None
         try:
             self._judge()
             yield followed
         finally:
-            with contextlib.suppress(ValueError):  # an aborted one is already gone
-                self._at_engine.remove(followed)
+            self._forget(followed)
+
+    def _forget(self, followed: Followed) -> None:
+        if followed.watched:  # an aborted one already is forgotten
+            followed.watched = False
+            self._at_engine.remove(followed)
+            self._constrained -= followed.constraint is not None
 
     def norm_s(self) -> float:
         floor = self._limits.slow_norm_floor_s
         return max(statistics.median(self._norm), floor) if self._norm else floor
 
     def progressed(self, followed: Followed, events: int) -> None:
-        if followed.verdict is not None:
+        if not followed.watched:
             return  # aborted: what still arrives before the cancellation lands is not judged
         now = self._clock()
         if followed.last_event is not None:  # the first is the queue's and the prefill's time
             gap = (now - followed.last_event) / max(events, 1)
             followed.gaps.append(gap)
             followed.began.append(followed.last_event)
-            if all(peer.constraint is None for peer in self._at_engine):
+            if not self._constrained:
                 self._norm.append(gap)
         followed.last_event = now
         followed.tokens += events
         self._judge()
 
     def _judge(self) -> None:
-        if not self._limits.abort_when_slow or len(self._at_engine) < 2:
-            return  # a request alone slows nobody else
+        if not (self._limits.abort_when_slow and self._constrained and len(self._at_engine) > 1):
+            return  # no request of the costly class, or one alone: it slows nobody else
         norm = self.norm_s()
         bound = norm * self._limits.slow_factor
         slow = next((f for f in self._at_engine
@@ -156,7 +170,7 @@ class CostWatch:
         suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
                                   suspect.tokens, self._clock() - suspect.since,
                                   len(self._at_engine) - 1)
-        self._at_engine.remove(suspect)
+        self._forget(suspect)
         for peer in self._at_engine:  # judged again only on steps taken after this abort
             peer.gaps.clear()
             peer.began.clear()

@@ -144,3 +144,12 @@ def test_a_constrained_request_that_comes_to_an_engine_already_slow_is_not_the_c
         assert b.aborted == []
         b.tokens([*plain, late], 1, 1.0)  # now slow since it has been there, and still slow
         assert b.aborted == ["late"]
+
+
+def test_a_pass_through_is_no_peer_and_its_progress_is_not_judged() -> None:
+    """Models, tokenize, a stored response: no engine work, so not a request that waits."""
+    with bench() as b:
+        costly = b.follow("costly", GRAMMAR)
+        with b.watch.follow({}, lambda: None, engine_work=False) as passing:
+            b.tokens([costly, passing], 10, 5.0)
+        assert b.aborted == []
