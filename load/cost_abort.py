@@ -7,8 +7,9 @@ It boots the appliance twice on the real worker (constraints.abort_when_slow tru
 In each: the victim's short chat request (10 tokens, not streamed) is timed alone; then a
 constrained stream whose grammar passes the gate's static vetting but grows costlier with each
 token (an ambiguous grammar: its matcher's work per token grows as it goes) runs alone until its
-own tokens come `--ramp-s` apart (five in a row), and the victim is sent beside it. Prints, per setting, the
-victim's time alone and beside, their ratio (the bar: 3x), and how the costly request ended.
+own tokens come `--ramp-s` apart (five in a row), and the victim is sent beside it. Prints, per
+setting, the victim's time alone and beside, their ratio (the bar: 3x), and how the costly
+request ended.
 """
 
 from __future__ import annotations
