@@ -35,6 +35,7 @@ from appliance.fences.litestar import client_left, route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
 from appliance.metrics import UNROUTED, RequestMetrics
+from appliance.policy.cost_watch import CostWatch
 from appliance.recovery.quarantine import Quarantine
 from appliance.relay import RelayDeps
 from appliance.routes import guards, ops
@@ -73,7 +74,8 @@ def create_app(
     gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     quarantine = quarantine or Quarantine(settings.resume)
     quarantine.listeners.append(metrics.quarantined)
-    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume, quarantine)
+    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume, quarantine,
+                      CostWatch(settings.constraints, metrics.too_costly))
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading,
                             quarantine)

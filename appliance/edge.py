@@ -2,7 +2,9 @@
 
 uvicorn (httptools) accepts headers of any size and count and keeps a connection that sends
 nothing open forever. This protocol adds, per connection:
-- a cap on open connections: beyond it a new connection gets 503 and is closed at once;
+- a cap on open connections, counted from the accept (a TLS connection still in its handshake,
+  which server.tls_handshake_timeout_s bounds, is one): beyond it a new connection gets 503 and
+  is closed at once (with TLS, closed before its handshake: there is no HTTP yet to answer in);
 - a deadline for the request head (request line and headers), from the moment the connection
   opens or the first byte after an answer: a silent or slow-loris client is closed (408), and
   so is one that trickles bytes that begin no request (blank lines, the rest of a body the
@@ -50,12 +52,18 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
         _parsed_bytes = 0  # request line and headers as the parser gave them
         _in_head = True  # between requests or inside a request's head
 
-        def opened(self) -> None:
+        def accepted(self) -> None:
             metrics.open.set(self.open_connections)
-            if self.open_connections > server.max_connections:
-                self._refuse(ServiceUnavailable("too many connections; retry shortly",
-                                                retry_after_s=1, code="over_capacity"))
+            if self.open_connections <= server.max_connections:
                 return
+            if self.handshaking:  # before TLS speaks there is no HTTP to answer in: a hang-up
+                metrics.closed.labels(reason="over_capacity").inc()
+                self.close()
+                return
+            self._refuse(ServiceUnavailable("too many connections; retry shortly",
+                                            retry_after_s=1, code="over_capacity"))
+
+        def opened(self) -> None:
             self._arm_head_timer()
 
         def closed(self) -> None:

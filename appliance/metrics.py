@@ -61,6 +61,9 @@ class RequestMetrics:
                             "Generation requests waiting for an admission slot.", registry=r)
         self.clamps = Counter("appliance_max_tokens_clamped",
                               "Requests whose max_tokens was lowered to the room left.", registry=r)
+        self.too_costly = Counter("appliance_requests_too_costly",
+                                  "Constrained requests aborted for keeping the engine's time "
+                                  "per token far above its norm while others waited.", registry=r)
         self.disconnects = Counter("appliance_client_disconnects",
                                    "Requests the client abandoned; upstream aborted.",
                                    ["stream"], registry=r)

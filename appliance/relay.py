@@ -27,7 +27,8 @@ from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.fences.vllm import ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
-from appliance.outbound import Outbound
+from appliance.outbound import Outbound, PassThrough
+from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
 from appliance.recovery.stream import Continuation
@@ -53,10 +54,12 @@ class RelayDeps:
     metrics: RequestMetrics
     resume: ResumeSettings
     quarantine: Quarantine
+    cost: CostWatch
 
 
 class Watch:
-    """Cancels the owning task when the client disconnects or the engine is lost; says which.
+    """Cancels the owning task when the client disconnects, the engine is lost or the cost
+    watch found the request too costly; says which.
 
     The client's connection tells through its ClientLink where the server gives one; under
     any other ASGI server a task waits in `receive()` for the disconnect."""
@@ -114,6 +117,9 @@ class Watch:
             return
         self._fire("engine_lost")
 
+    def too_costly(self) -> None:
+        self._fire("too_costly")
+
     def _fire(self, reason: str) -> None:
         if self._armed and self.reason is None:
             self.reason = reason
@@ -144,6 +150,7 @@ class Relay:
         self._exits: contextlib.AsyncExitStack | None = None  # the exchanges this answer used
         self._original: Continuation | None = None  # the request as first sent
         self._isolated: asyncio.Lock | None = None  # held while sent again as a suspect
+        self._cost: Followed  # from the moment it is at the engine (the cost watch follows it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         deps = self._deps
@@ -157,7 +164,10 @@ class Relay:
             with watch:
                 async with outbound.slot(deps.admission) as meter, \
                         contextlib.AsyncExitStack() as self._exits:
-                    last = await self._answer(send, watch, meter)
+                    with deps.cost.follow(outbound.payload, watch.too_costly,
+                                          engine_work=not isinstance(outbound, PassThrough)
+                                          ) as self._cost:
+                        last = await self._answer(send, watch, meter)
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
                 await send(last)
@@ -366,6 +376,7 @@ class Relay:
         self._so_far.relayed(chunk)
         if self._isolated is not None:  # its answer began: the next suspect may go
             self._leave_isolation()
+        self._cost.progressed(chunk.count(b"data:"))
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._outbound.headers)
@@ -380,6 +391,9 @@ class Relay:
             self._deps.metrics.disconnected(self._outbound.stream)
             log.info("request.client_disconnected", stream=self._outbound.stream)
             return  # nobody is listening; leaving the exchange closed the upstream
+        if reason == "too_costly" and self._cost.verdict is not None:
+            await self._fail(send, self._cost.verdict.logged())
+            return
         retry_after_s = self._deps.engine.retry_after_s()
         # Before the head the client got nothing: the engine was unavailable to it.
         await self._fail(send, engine_lost(retry_after_s) if self._started

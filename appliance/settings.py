@@ -98,6 +98,8 @@ class ServerSettings(_Group):
     # TLS on the API port: both or neither; re-read on reload (certificate rotation).
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
+    # A TLS handshake not done by then is dropped (asyncio's own default: 60 s).
+    tls_handshake_timeout_s: float = Field(5.0, gt=0)
     # The operator's socket (reload); None: <run dir>/control-<port>.sock.
     control_socket: Path | None = None
 
@@ -236,6 +238,14 @@ class ConstraintSettings(_Group):
     max_schema_bytes: int = Field(32768, ge=1)
     max_schema_depth: int = Field(32, ge=1)
     max_choices: int = Field(256, ge=1)
+    # At run time (appliance/policy/cost_watch.py): while more than one request is at the
+    # engine and its time per token stays above slow_factor x its norm (never taken below
+    # slow_norm_floor_s) for slow_tokens tokens, the constrained request there longest (and
+    # there when the slow tokens began) is aborted (request_too_costly).
+    abort_when_slow: bool = True
+    slow_factor: float = Field(4.0, gt=1)
+    slow_norm_floor_s: float = Field(0.02, gt=0)
+    slow_tokens: int = Field(3, ge=1)
 
 
 PRIORITY_RANGE = 1_000_000  # vLLM takes any int64; a config beyond this is a typo

@@ -20,7 +20,7 @@ from appliance.admission.slots import Admission
 from appliance.app import create_app
 from appliance.edge import EdgeMetrics, edge_protocol
 from appliance.engine import EngineState, Waiting
-from appliance.fences.uvicorn import ApiServer
+from appliance.fences.uvicorn import ApiServer, listener
 from appliance.recovery.quarantine import Quarantine
 from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
 from supervisor.collector import SupervisorCollector, restart_durations
@@ -154,17 +154,18 @@ async def serve(settings: Settings) -> int:
                      alive=lambda: manager_task is not None and not manager_task.done(),
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
                      else None, quarantine=quarantine)
-    protocol = edge_protocol(settings.server, EdgeMetrics(registry))
+    # With a certificate the port speaks TLS only, with the context that reload re-reads in
+    # place; the listener does the TLS (uvicorn gets no ssl) so that the handshake is bounded
+    # and counted against the connection cap.
+    protocol = listener(edge_protocol(settings.server, EdgeMetrics(registry)),
+                        None if tls is None else lambda: tls.context,
+                        settings.server.tls_handshake_timeout_s)
     server = ApiServer(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                                     http=protocol, log_config=None, access_log=False,
                                     lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
                                     timeout_graceful_shutdown=settings.server.close_timeout_s,
                                     proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
-                                    server_header=False,
-                                    # With a certificate the port speaks TLS only: uvicorn
-                                    # listens with this context, which reload re-reads in place.
-                                    ssl_context_factory=None if tls is None
-                                    else lambda _config, _default: tls.context))
+                                    server_header=False))
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):
         log.error("supervisor.api_failed", host=settings.server.host, port=settings.server.port)

@@ -1,9 +1,14 @@
 """The fence around uvicorn's internals: the one module that leans on what uvicorn does not promise.
 
-It offers the rest of the tree three things of its own:
+It offers the rest of the tree four things of its own:
 - `ApiServer`: uvicorn's Server without its signal handling, with a prompt `stop()`;
-- `Connection`: uvicorn's httptools protocol with hooks (`opened`, `after_read`, `head_begins`,
-  `header_seen`, `head_done`, `response_done`, `closed`) where the edge adds its limits;
+- `Connection`: uvicorn's httptools protocol with hooks (`accepted`, `opened`, `after_read`,
+  `head_begins`, `header_seen`, `head_done`, `response_done`, `closed`) where the edge adds its
+  limits;
+- `listener`: what uvicorn's `http` setting takes, serving a Connection over TLS where there is
+  a certificate: a connection counts from the moment it is accepted and its handshake is bounded
+  (uvicorn hands TLS to asyncio, whose handshake may take 60 s, and its protocol hears of a
+  connection only once the handshake is done);
 - `ClientLink`: one request's link to its client's connection, for the relay.
 
 What it relies on (tests/unit/fences/test_uvicorn.py checks each against the installed uvicorn):
@@ -16,14 +21,24 @@ What it relies on (tests/unit/fences/test_uvicorn.py checks each against the ins
   stops the parse (uvicorn answers 400 for it, which `send_400_response` here suppresses once
   the connection was refused);
 - a `RequestResponseCycle` has `transport`, `flow.write_paused`, `disconnected`, `more_body`,
-  `response_complete` and `chunked_encoding`; a chunked body is written as `%x\\r\\n...\\r\\n`.
+  `response_complete` and `chunked_encoding`; a chunked body is written as `%x\\r\\n...\\r\\n`;
+- `Config.load()` keeps a non-string `http` as the protocol factory, which `startup()` calls with
+  keywords (`config`, `server_state`, `app_state`, `_loop`) once per accepted connection, and
+  `shutdown()` calls `shutdown()` on each protocol in `server_state.connections`;
+- asyncio's `sslproto.SSLProtocol(loop, app_protocol, sslcontext, waiter, server_side, ...,
+  ssl_handshake_timeout)` (what `create_server(ssl=...)` wraps each connection in) starts the
+  handshake and its deadline in `connection_made`, calls the app's `connection_made` once the
+  handshake is done and, for a connection lost during the handshake, never its
+  `connection_lost`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import weakref
+from asyncio import sslproto
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -154,11 +169,17 @@ class Connection(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._links: list[ClientLink] = []  # of requests whose answer is not complete
+        self._tcp: asyncio.BaseTransport | None = None  # while its TLS handshake runs
+        self._tls = False
 
     # --- hooks, for subclasses ---------------------------------------------------------------
 
+    def accepted(self) -> None:
+        """A client connected, counted in `open_connections` from here: before any TLS
+        handshake (`handshaking` says whether one runs)."""
+
     def opened(self) -> None:
-        """A client connected (counted in `open_connections`)."""
+        """The connection speaks HTTP: at once, or once its TLS handshake is done."""
 
     def read_begins(self) -> None:
         """Bytes arrived, before they are parsed (uvicorn's keep-alive timer stops here)."""
@@ -201,8 +222,13 @@ class Connection(HttpToolsProtocol):
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop
 
+    @property
+    def handshaking(self) -> bool:
+        """Its TLS handshake runs: nothing can be answered on it yet, it can only be closed."""
+        return self._tcp is not None
+
     def closing(self) -> bool:
-        return self.transport.is_closing()
+        return (self._tcp or self.transport).is_closing()
 
     def write_and_close(self, data: bytes) -> None:
         """Answer outside uvicorn's cycle (a refusal) and close the connection."""
@@ -210,13 +236,40 @@ class Connection(HttpToolsProtocol):
         self.transport.close()
 
     def close(self) -> None:
-        self.transport.close()
+        (self._tcp or self.transport).close()
+
+    # --- the TLS layer's calls (listener) ----------------------------------------------------
+
+    def tls_accepted(self, tcp: asyncio.BaseTransport) -> None:
+        """Accepted, its handshake begun: counted (uvicorn's set; its own connection_made adds
+        it again, once TLS speaks) and closed by uvicorn's shutdown like any other."""
+        self._tcp, self._tls = tcp, True
+        self.connections.add(self)
+        self.accepted()
+
+    def tls_ended(self) -> None:
+        """The connection is gone. One whose handshake never finished was never uvicorn's: it
+        hears nothing of it, so it is uncounted and `closed` here."""
+        if self._tcp is not None:
+            self._tcp = None
+            self.connections.discard(self)
+            self.closed()
 
     # --- uvicorn's protocol, with the hooks in place --------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._tcp = None
         super().connection_made(transport)
-        self.opened()
+        if not self._tls:
+            self.accepted()
+        if not self.transport.is_closing():
+            self.opened()
+
+    def shutdown(self) -> None:
+        if self._tcp is not None:  # uvicorn's would close a transport it never had
+            self._tcp.close()
+            return
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -266,3 +319,39 @@ class Connection(HttpToolsProtocol):
         super().on_response_complete()  # arms uvicorn's keep-alive (server.idle_timeout_s)
         self.response_done()
         self._links = [link for link in self._links if not link.complete()]
+
+
+class _TlsLayer(sslproto.SSLProtocol):
+    """asyncio's TLS for one accepted connection, as `create_server(ssl=...)` would wrap it, with
+    our handshake deadline, and telling the Connection of the accept and the end."""
+
+    def __init__(self, app: Connection, context: ssl.SSLContext, handshake_timeout_s: float) -> None:
+        # typeshed's stub is narrower than asyncio: its own create_server passes no waiter
+        # (None) for a server's connections, and a float bound.
+        super().__init__(app.event_loop, app, context, None,  # type: ignore[arg-type]
+                         server_side=True,
+                         ssl_handshake_timeout=handshake_timeout_s)  # type: ignore[arg-type]
+        self._app = app  # SSLProtocol lets go of its own reference when the connection is lost
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._app.tls_accepted(transport)  # counted first: it may be refused at once
+        super().connection_made(transport)  # the handshake begins, and its deadline
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        self._app.tls_ended()
+
+
+def listener(protocol: type[Connection], context: Callable[[], ssl.SSLContext] | None,
+             handshake_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's `http` setting: the Connection class itself for plain HTTP; with a context (read
+    per connection: a reload re-reads it in place), a factory that wraps each connection in TLS.
+    uvicorn must then be given no `ssl` of its own."""
+    if context is None:
+        return protocol
+
+    def accept(**kwargs: Any) -> asyncio.BaseProtocol:
+        return _TlsLayer(protocol(**kwargs), context(), handshake_timeout_s)
+
+    # uvicorn's type says a class; it keeps any non-string as the factory it calls (see above).
+    return cast(type[asyncio.Protocol], accept)

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httptools
+import prometheus_client
 import pytest
 
 from appliance.fences.uvicorn import ClientLink
-from appliance.settings import ResumeSettings
+from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.settings import ConstraintSettings, ResumeSettings
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio
@@ -170,6 +172,7 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link, relay._arrived = "/v1/chat/completions", None, time.perf_counter()
+    relay._cost = followed()
 
     class Reply:
         status, headers, complete = 200, [], False  # type: ignore[var-annotated]
@@ -206,6 +209,7 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
+    relay._cost = followed()
     relay._arrived = time.perf_counter()
 
     class Reply:
@@ -330,3 +334,12 @@ async def test_cancelling_requests_leaves_no_garbage_for_the_collector() -> None
             gc.garbage.clear()
             gc.enable()
     assert kinds["RequestResponseCycle"] == 0 and kinds["Watch"] == 0, kinds
+
+
+def followed() -> Followed:
+    """A request as the cost watch follows it once it is at the engine (the relay's __call__
+    does this before the stream these tests drive)."""
+    counter = prometheus_client.Counter("too_costly", "",
+                                        registry=prometheus_client.CollectorRegistry())
+    watch = CostWatch(ConstraintSettings(), counter)
+    return watch.follow({}, lambda: None).__enter__()

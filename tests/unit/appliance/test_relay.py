@@ -23,9 +23,10 @@ from appliance.errors import ApiError, NotFound, engine_lost
 from appliance.gate.gate import Vetted
 from appliance.metrics import RequestMetrics
 from appliance.outbound import PassThrough
+from appliance.policy.cost_watch import CostWatch
 from appliance.recovery.quarantine import Quarantine
 from appliance.relay import Relay, RelayDeps
-from appliance.settings import ResumeSettings, Settings
+from appliance.settings import ConstraintSettings, ResumeSettings, Settings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine
 
@@ -120,7 +121,7 @@ class Client:
 
 class Setup:
     def __init__(self, worker: Worker, resume: bool = False,
-                 engine: FakeEngine | None = None) -> None:
+                 engine: FakeEngine | None = None, cost_clock: Any = None) -> None:
         self.engine = engine or FakeEngine("http://127.0.0.1:9")
         self.admission = Admission(1)
         self.metrics = RequestMetrics(CollectorRegistry())
@@ -130,9 +131,11 @@ class Setup:
         self.client = Client(self.admission)
         self.quarantine = Quarantine(ResumeSettings())
         self.quarantine.listeners.append(self.metrics.quarantined)  # as the app wires it
+        self.cost = CostWatch(ConstraintSettings(), self.metrics.too_costly,
+                              *([cost_clock] if cost_clock is not None else []))
         self.deps = RelayDeps(self.engine, self.admission, self.gate, worker,  # type: ignore[arg-type]
                               self.metrics, ResumeSettings(enabled=resume, max_wait_s=5),
-                              self.quarantine)
+                              self.quarantine, self.cost)
 
     async def run(self, outbound: Any) -> None:
         scope = {"type": "http", "path": ROUTE, "path_template": ROUTE, "headers": []}
@@ -144,9 +147,24 @@ class Setup:
         return value(generate_latest(self.metrics.registry).decode(), name, **labels)
 
 
-def chat(stream: bool = False, api: Any = CHAT) -> Vetted:
-    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+def chat(stream: bool = False, api: Any = CHAT, **extra: Any) -> Vetted:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
     return Vetted(api, body, json.dumps(body).encode())
+
+
+GRAMMAR = {"structured_outputs": {"grammar": "root ::= s\ns ::= s s s | s s | [a-z ]"}}
+
+
+class Slow:
+    """A clock for the cost watch whose every reading is a second after the last: every token
+    the watch sees took a second, far above its norm."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
 
 
 async def test_a_vetted_request_holds_its_slot_through_the_exchange_and_lets_go_before_the_end(
@@ -385,3 +403,50 @@ async def test_with_resume_off_a_fault_is_the_clients_error() -> None:
     setup = Setup(Workers(engine, engine_lost(1), Reply(200, [b'{"ok": true}'])), engine=engine)
     await setup.run(chat())
     assert setup.client.status == 503 and len(setup.worker.sent) == 1
+
+
+async def test_a_too_costly_stream_is_ended_with_request_too_costly_logged_and_counted() -> None:
+    """A constrained stream whose tokens come far slower than the norm while another request
+    is at the engine: cut where it stands, in the protocol's ending, with the numbers logged."""
+    async def pause(index: int) -> None:
+        await asyncio.sleep(0)  # where a cancellation lands, as on a real socket
+
+    events = [b"data: %d\n\n" % i for i in range(8)] + [b"data: [DONE]\n\n"]
+    setup = Setup(Worker(Reply(200, events, pause)), cost_clock=Slow())
+    with capture_logs() as logs, setup.cost.follow({}, lambda: None):  # the other request
+        await setup.run(chat(stream=True, **GRAMMAR))
+    body = setup.client.body
+    assert setup.client.status == 200 and b"data: 3\n\n" in body and b"data: 7" not in body
+    assert b'"code":"request_too_costly"' in body and body.endswith(b"data: [DONE]\n\n")
+    costly = [entry for entry in logs if entry["event"] == "request.too_costly"]
+    assert costly and costly[0]["param"] == "structured_outputs.grammar" and costly[0]["peers"] == 1
+    assert costly[0]["step_s"] > costly[0]["bound_s"] and costly[0]["streamed"] >= 3
+    assert setup.count("appliance_requests_too_costly_total") == 1
+    assert setup.admission.in_flight == 0 and setup.engine.watchers == 0
+
+
+async def test_a_too_costly_answer_not_yet_begun_is_a_400_in_the_routes_shape() -> None:
+    """A non-streamed constrained request, caught through a streamed peer's slow tokens."""
+    class Waiting(Reply):
+        async def read(self) -> bytes:
+            peer_tokens.set()
+            await asyncio.Event().wait()  # the answer never comes in time
+            return b""
+
+    peer_tokens = asyncio.Event()
+    setup = Setup(Worker(Waiting(200, [])), cost_clock=Slow())
+
+    async def peer() -> None:
+        with setup.cost.follow({}, lambda: None) as followed:
+            await peer_tokens.wait()
+            for _ in range(4):
+                followed.progressed(1)
+
+    streamed = asyncio.create_task(peer())
+    await setup.run(chat(api=MESSAGES, **GRAMMAR))
+    await streamed
+    assert setup.client.status == 400
+    error = json.loads(setup.client.body)["error"]  # Anthropic's shape: no code, a type
+    assert error["type"] == "invalid_request_error" and "too costly" in error["message"]
+    assert setup.count("appliance_requests_too_costly_total") == 1
+    assert setup.admission.in_flight == 0

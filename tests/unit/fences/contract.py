@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import platform
 import textwrap
 import tomllib
 from collections.abc import Callable
@@ -30,6 +31,8 @@ class Fence:
 
     @property
     def installed(self) -> str:
+        if self.dependency == "python":  # a fence around the standard library's internals
+            return platform.python_version()
         return version(self.dependency)
 
     def require(self, holds: bool, assumption: str, found: object = "") -> None:

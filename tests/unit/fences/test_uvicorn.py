@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import ssl
+from asyncio import sslproto
+from pathlib import Path
 from typing import Any
 
 import pytest
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from appliance.fences.uvicorn import ApiServer, ClientLink, Connection, client_link
+from appliance.fences.uvicorn import ApiServer, ClientLink, Connection, client_link, listener
 from tests.net import free_port
+from tests.support.certs import self_signed
 from tests.unit.appliance.fakes import eventually
 from tests.unit.fences.contract import Fence
 
 UVICORN = Fence("appliance/fences/uvicorn.py", "uvicorn")
+ASYNCIO = Fence("appliance/fences/uvicorn.py", "python")  # asyncio's TLS layer: the stdlib's
 
 pytestmark = pytest.mark.anyio
 
@@ -54,9 +59,10 @@ def test_the_protocol_has_the_callbacks_connection_overrides() -> None:
                              ("send_400_response", ["self", "msg"])]:
         UVICORN.parameters(UVICORN.attribute(HttpToolsProtocol, name), parameters)
     ours = {name for name, _ in inspect.getmembers(Connection)} - set(dir(HttpToolsProtocol))
-    hooks = {"opened", "read_begins", "after_read", "head_begins", "url_seen", "header_seen", "head_done",
-             "response_done", "closed", "open_connections", "peer", "event_loop", "closing",
-             "write_and_close", "close"}
+    hooks = {"accepted", "handshaking", "tls_accepted", "tls_ended", "opened", "read_begins",
+             "after_read", "head_begins", "url_seen", "header_seen", "head_done", "response_done",
+             "closed", "open_connections", "peer", "event_loop", "closing", "write_and_close",
+             "close"}
     UVICORN.require(hooks <= ours, "none of Connection's own names is one of HttpToolsProtocol's",
                     sorted(hooks - ours))
 
@@ -130,6 +136,91 @@ async def test_a_real_request_runs_the_hooks_in_order_and_the_link_writes_chunks
                 f"read {len(request)}", "response_done", "closed"]
     UVICORN.require(Recording.seen == expected, "the callbacks run in the order "
                     + " > ".join(expected), Recording.seen)
+
+
+def test_uvicorn_calls_a_non_string_http_setting_per_connection_and_shuts_each_down() -> None:
+    """listener() hands uvicorn a factory where it expects a class: uvicorn must call it as is."""
+    load = inspect.getsource(uvicorn.Config.load)
+    UVICORN.require("self.http_protocol_class = self.http" in load,
+                    "Config.load keeps a non-string `http` as the protocol factory")
+    startup = inspect.getsource(uvicorn.Server.startup)
+    UVICORN.require("return config.http_protocol_class(" in startup and all(
+        f"{name}=" in startup for name in ("config", "server_state", "app_state", "_loop")),
+        "startup() calls http_protocol_class(config=, server_state=, app_state=, _loop=)")
+    shutdown = inspect.getsource(uvicorn.Server.shutdown)
+    UVICORN.require("for connection in list(self.server_state.connections):" in shutdown
+                    and "connection.shutdown()" in shutdown,
+                    "shutdown() calls shutdown() on each protocol in server_state.connections")
+    UVICORN.parameters(HttpToolsProtocol.shutdown, ["self"])
+
+
+def test_asyncio_tls_layer_takes_a_handshake_bound_and_hides_unfinished_handshakes() -> None:
+    ASYNCIO.parameters(sslproto.SSLProtocol.__init__,
+                       ["self", "loop", "app_protocol", "sslcontext", "waiter", "server_side",
+                        "server_hostname", "call_connection_made", "ssl_handshake_timeout",
+                        "ssl_shutdown_timeout"])
+    ASYNCIO.body(sslproto.SSLProtocol.connection_made, "self._transport = transport\n"
+                                                       "self._start_handshake()")
+    lost = inspect.getsource(sslproto.SSLProtocol.connection_lost)
+    ASYNCIO.require("if self._state != SSLProtocolState.DO_HANDSHAKE:" in lost,
+                    "SSLProtocol.connection_lost tells the app nothing during the handshake")
+
+
+class Counting(Connection):
+    """Records the accept, the opening and the close of each connection, and what was open."""
+
+    seen: list[str] = []
+
+    def accepted(self) -> None:
+        self.seen.append(f"accepted {self.open_connections} {self.handshaking}")
+
+    def opened(self) -> None:
+        self.seen.append(f"opened {self.open_connections} {self.handshaking}")
+
+    def closed(self) -> None:
+        self.seen.append(f"closed {self.open_connections}")
+
+
+async def test_a_tls_listener_counts_from_the_accept_and_bounds_the_handshake(
+        tmp_path: Path) -> None:
+    """Over a real socket: a silent connection is counted at once and closed at the bound, with
+    no HTTP hook but `closed`; an honest TLS client then opens and is served."""
+    cert, key = self_signed(tmp_path)
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(cert, key)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": scope["scheme"].encode()})
+
+    Counting.seen = []
+    port = free_port()
+    http = listener(Counting, lambda: server_context, handshake_timeout_s=0.5)
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=http,
+                                      log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        _, silent = await asyncio.open_connection("127.0.0.1", port)
+        await eventually(lambda: "closed 0" in Counting.seen, within_s=30)
+        silent.close()
+        client = ssl.create_default_context(cafile=cert)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client,
+                                                       server_hostname="localhost")
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        await eventually(lambda: len(Counting.seen) == 5)
+    finally:
+        server.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    expected = ["accepted 1 True", "closed 0", "accepted 1 True", "opened 1 False", "closed 0"]
+    ASYNCIO.require(Counting.seen == expected, "a TLS connection runs " + " > ".join(expected),
+                    Counting.seen)
+    UVICORN.require(b"\r\nhttps\r\n" in answer, "the scope's scheme is https over the TLS layer",
+                    answer)
 
 
 def test_uvicorn_has_an_upper_bound_the_installed_version_is_within() -> None:

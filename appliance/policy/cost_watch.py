@@ -1,0 +1,178 @@
+"""Run-time cost of output constraints: a constrained request that keeps the engine's steps far
+slower than their norm while another request shares the engine is aborted (request_too_costly).
+
+Why steps, and why constrained requests. vLLM runs the requests at the engine in one batch and
+computes each constrained request's token mask inside the shared step, so a costly constraint
+slows every request's tokens alike: no request's own rate tells it apart from its peers. What
+tells it apart is its class: an output constraint is the one part of a request whose per-token
+work the gate cannot bound (the static vetting bounds its size and nesting; an ambiguous
+grammar within them still grows costlier with each token: measured on the CPU worker,
+`s ::= s s s | s s | [a-z ]` went from 0.05 to 0.36 s a token in 40 tokens). So the watch
+measures the engine's time per token, and when it stays above `slow_factor` x its norm for
+`slow_tokens` tokens while more than one request is at the engine, it aborts the constrained
+request that has been there longest, if it was there when those slow tokens began (then the
+next, if the steps stay slow). A request alone
+costs only itself and is left to finish.
+
+Where the time per token comes from: the streams the relay forwards. In a batch each running
+request gets one token per step, so the gaps between a stream's events are the engine's step
+times. A non-streamed request shows no progress, so it is watched through the streams beside
+it: a costly non-streamed request is caught by a streamed peer's gaps; among non-streamed
+requests only, nothing is measured and nothing is aborted. The norm is the median gap of the
+last streams seen while no constrained request was at the engine (so that a costly one cannot
+raise its own bar), never below `slow_norm_floor_s`, which also stands in for it until a gap
+has been seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from prometheus_client import Counter
+
+from appliance.errors import ApiError, BadRequest
+from appliance.policy.constraints import find_constraints
+from appliance.settings import ConstraintSettings
+
+log = structlog.get_logger("appliance.cost")
+
+_NORM_GAPS = 256  # the gaps the norm is the median of
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a request was aborted: the numbers the log line, the error and the metric carry."""
+
+    param: str  # the constraint that makes it the suspect
+    step_s: float  # the engine's time per token (per step), lately
+    norm_s: float
+    bound_s: float
+    streamed: int  # the tokens it was seen to stream (0 for a non-streamed request)
+    at_engine_s: float
+    peers: int  # other requests at the engine
+
+    def logged(self) -> ApiError:
+        """Logs the abort (in the aborted request's own context: its request id) and returns
+        its error."""
+        # No field named "token...": the log masks those as secrets.
+        log.warning("request.too_costly", param=self.param, step_s=round(self.step_s, 3),
+                    norm_s=round(self.norm_s, 4), bound_s=round(self.bound_s, 3),
+                    streamed=self.streamed, at_engine_s=round(self.at_engine_s, 2),
+                    peers=self.peers)
+        return BadRequest(
+            f"the request was stopped: while it ran, the engine took {self.step_s:.2f} s a token "
+            f"(its norm {self.norm_s:.3f} s; bound {self.bound_s:.2f} s, settings "
+            f"constraints.slow_factor and slow_norm_floor_s) with other requests waiting; "
+            f"'{self.param}' is too costly for this engine", param=self.param,
+            code="request_too_costly")
+
+
+@dataclass(eq=False)
+class Followed:
+    """One request at the engine, as the watch sees it; the relay reports its stream's events."""
+
+    watch: CostWatch
+    since: float
+    constraint: str | None  # the parameter of its output constraint; None: unconstrained
+    abort: Callable[[], None]
+    gaps: deque[float]  # seconds a token, its last few
+    began: deque[float]  # when each of those gaps began
+    last_event: float | None = None
+    tokens: int = 0
+    watched: bool = True  # at the engine, not yet aborted: its progress is judged
+    verdict: Verdict | None = field(default=None)
+
+    def progressed(self, events: int) -> None:
+        """`events` stream events arrived together (one token each, lately)."""
+        self.watch.progressed(self, events)
+
+
+class CostWatch:
+    """Every request at the engine, their time per token, and the abort of a costly one."""
+
+    def __init__(self, limits: ConstraintSettings, aborted: Counter,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._limits = limits
+        self._aborted = aborted
+        self._clock = clock
+        self._norm: deque[float] = deque(maxlen=_NORM_GAPS)
+        self._at_engine: list[Followed] = []  # oldest first
+        self._constrained = 0  # of them: while none is, an event costs no look at the others
+
+    @contextlib.contextmanager
+    def follow(self, body: Mapping[str, Any], abort: Callable[[], None], *,
+               engine_work: bool = True) -> Iterator[Followed]:
+        """While the request is at the engine. `abort` cancels its exchange; a peer that comes
+        while the engine is already slow gets the costly one aborted at once. A request that is
+        no engine work (a pass-through: models, tokenize, a stored response) is not followed."""
+        constraint = next((param for param, _, _ in find_constraints(body)), None)
+        window = self._limits.slow_tokens
+        followed = Followed(self, self._clock(), constraint, abort, deque(maxlen=window),
+                            deque(maxlen=window))
+        if not engine_work:
+            followed.watched = False
+            yield followed
+            return
+        self._at_engine.append(followed)
+        self._constrained += constraint is not None
+        try:
+            self._judge()
+            yield followed
+        finally:
+            self._forget(followed)
+
+    def _forget(self, followed: Followed) -> None:
+        if followed.watched:  # an aborted one already is forgotten
+            followed.watched = False
+            self._at_engine.remove(followed)
+            self._constrained -= followed.constraint is not None
+
+    def norm_s(self) -> float:
+        floor = self._limits.slow_norm_floor_s
+        return max(statistics.median(self._norm), floor) if self._norm else floor
+
+    def progressed(self, followed: Followed, events: int) -> None:
+        if not followed.watched:
+            return  # aborted: what still arrives before the cancellation lands is not judged
+        now = self._clock()
+        if followed.last_event is not None:  # the first is the queue's and the prefill's time
+            gap = (now - followed.last_event) / max(events, 1)
+            followed.gaps.append(gap)
+            followed.began.append(followed.last_event)
+            if not self._constrained:
+                self._norm.append(gap)
+        followed.last_event = now
+        followed.tokens += events
+        self._judge()
+
+    def _judge(self) -> None:
+        if not (self._limits.abort_when_slow and self._constrained and len(self._at_engine) > 1):
+            return  # no request of the costly class, or one alone: it slows nobody else
+        norm = self.norm_s()
+        bound = norm * self._limits.slow_factor
+        slow = next((f for f in self._at_engine
+                     if len(f.gaps) == f.gaps.maxlen and min(f.gaps) > bound), None)
+        if slow is None:
+            return
+        # Only one that was at the engine when the slow steps began can have made them slow: a
+        # constrained request that comes to an engine already slow is not the cause.
+        suspect = next((f for f in self._at_engine
+                        if f.constraint is not None and f.since <= slow.began[0]), None)
+        if suspect is None or suspect.constraint is None:
+            return
+        suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
+                                  suspect.tokens, self._clock() - suspect.since,
+                                  len(self._at_engine) - 1)
+        self._forget(suspect)
+        for peer in self._at_engine:  # judged again only on steps taken after this abort
+            peer.gaps.clear()
+            peer.began.clear()
+        self._aborted.inc()
+        suspect.abort()

@@ -1,0 +1,64 @@
+"""The run-time cost abort on the real vLLM worker (issue 20 #1): a constrained request that
+passes the gate's static vetting but makes every token of the engine slow is aborted once
+another request shares the engine, so that request stays within 3x of its time alone; the
+costly one ends with `request_too_costly`, logged and counted. Side by side with the abort off:
+`python -m load.cost_abort`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from load.constraint_cost import VICTIM
+from load.cost_abort import COSTLY, victim_beside_costly
+from tests.integration.harness import Appliance, running_appliance
+from tests.metrics_text import value
+
+BAR = 3.0
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    with running_appliance(Path(tmp_path_factory.mktemp("cost-abort"))) as appliance:
+        appliance.wait_ready()
+        yield appliance
+
+
+def aborted(appliance: Appliance) -> list[dict[str, object]]:
+    return [e for e in appliance.log_events() if e.get("event") == "request.too_costly"]
+
+
+def test_a_short_request_stays_within_3x_while_a_costly_constrained_stream_runs(
+        worker: Appliance) -> None:
+    before = len(aborted(worker))
+    outcome = victim_beside_costly(worker.url)
+    assert outcome.beside_status == 200
+    assert outcome.costly.error_code == "request_too_costly", outcome.costly.gaps
+    assert outcome.ratio <= BAR, (f"victim {outcome.beside_s:.2f} s beside the costly request, "
+                                  f"{outcome.alone_s:.2f} s alone")
+    logged = aborted(worker)[before:]
+    assert logged and logged[0]["param"] == "structured_outputs.grammar"
+    metrics = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    assert (value(metrics, "appliance_requests_too_costly_total") or 0) >= 1
+
+
+def test_a_costly_request_not_streamed_is_caught_through_a_streamed_peer(
+        worker: Appliance) -> None:
+    """Its own progress is not seen; a stream beside it shows the engine's slow steps."""
+    answers: list[httpx.Response] = []
+    costly = COSTLY | {"stream": False}
+    sender = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{worker.url}/v1/chat/completions", json=costly, timeout=600)))
+    sender.start()
+    time.sleep(5)  # not a timing assert: the costly request grows slower as it runs
+    with httpx.stream("POST", f"{worker.url}/v1/chat/completions", timeout=600,
+                      json=VICTIM | {"stream": True, "max_tokens": 60}) as peer:
+        peer.read()
+    sender.join()
+    assert answers[0].status_code == 400, answers[0].text
+    assert answers[0].json()["error"]["code"] == "request_too_costly"

@@ -1,0 +1,155 @@
+"""The run-time cost watch's decision, on a fake clock: which request is aborted, when, and when
+none is (a request alone, an unconstrained batch, steps within the bound, the setting off)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.settings import ConstraintSettings
+
+GRAMMAR = {"structured_outputs": {"grammar": "root ::= s\ns ::= s s s | s s | [a-z ]"}}
+SCHEMA = {"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "object"}}}}
+PLAIN: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Bench:
+    """A watch, its clock, and which of the followed requests were aborted."""
+
+    def __init__(self, **limits: Any) -> None:
+        self.clock = Clock()
+        self.counter = Counter("too_costly", "", registry=CollectorRegistry())
+        self.watch = CostWatch(ConstraintSettings(**limits), self.counter, self.clock)
+        self.aborted: list[str] = []
+        self.stack = contextlib.ExitStack()
+
+    def follow(self, name: str, body: dict[str, Any]) -> Followed:
+        return self.stack.enter_context(
+            self.watch.follow(body, lambda: self.aborted.append(name)))
+
+    def tokens(self, followed: list[Followed], count: int, step_s: float) -> None:
+        """`count` engine steps of `step_s`, each giving every streamed request a token."""
+        for _ in range(count):
+            self.clock.now += step_s
+            for one in followed:
+                one.progressed(1)
+
+
+@contextlib.contextmanager
+def bench(**limits: Any) -> Iterator[Bench]:
+    made = Bench(**limits)
+    with made.stack:
+        yield made
+
+
+def test_a_constrained_request_slowing_a_peer_is_aborted_with_its_numbers() -> None:
+    with bench() as b:
+        victim = b.follow("victim", PLAIN)
+        b.tokens([victim], 20, 0.05)  # the norm: 0.05 s a token
+        costly = b.follow("costly", GRAMMAR)
+        b.tokens([victim, costly], 3, 0.1)  # 2x the norm: within the bound
+        assert b.aborted == []
+        b.tokens([victim, costly], 4, 0.5)
+        assert b.aborted == ["costly"]
+        verdict = costly.verdict
+        assert verdict is not None and verdict.param == "structured_outputs.grammar"
+        assert (verdict.norm_s, verdict.bound_s, verdict.step_s) == pytest.approx((0.05, 0.2, 0.5))
+        assert verdict.peers == 1 and b.counter._value.get() == 1
+        error = verdict.logged()
+        assert (error.status, error.code, error.param) == (400, "request_too_costly",
+                                                           "structured_outputs.grammar")
+
+
+def test_a_peer_arriving_while_the_engine_is_slow_gets_the_costly_one_aborted_at_once() -> None:
+    """A costly request alone costs only itself; the moment another request shares the engine,
+    the costly one (already seen slow) goes, before the newcomer waits a single step."""
+    with bench() as b:
+        costly = b.follow("costly", GRAMMAR)
+        b.tokens([costly], 10, 1.0)
+        assert b.aborted == []
+        b.follow("victim", PLAIN)
+        assert b.aborted == ["costly"]
+
+
+def test_a_non_streamed_costly_request_is_caught_through_a_streamed_peer() -> None:
+    with bench() as b:
+        b.follow("costly", SCHEMA)  # no events: its progress is not seen
+        victim = b.follow("victim", PLAIN)
+        b.tokens([victim], 4, 0.5)
+        assert b.aborted == ["costly"]
+
+
+def test_the_oldest_constrained_request_goes_first_then_the_next_if_steps_stay_slow() -> None:
+    with bench() as b:
+        first, second = b.follow("first", GRAMMAR), b.follow("second", SCHEMA)
+        b.tokens([first, second], 4, 0.5)
+        assert b.aborted == ["first"]
+        b.tokens([second], 4, 0.5)  # alone now: nobody else waits
+        assert b.aborted == ["first"]
+        victim = b.follow("victim", PLAIN)
+        b.tokens([second, victim], 2, 0.5)  # judged on steps after the abort: a fresh window
+        assert b.aborted == ["first", "second"]
+
+
+def test_no_abort_without_a_constraint_within_the_bound_or_with_the_setting_off() -> None:
+    with bench() as b:
+        plain = [b.follow("a", PLAIN), b.follow("b", PLAIN)]
+        b.tokens(plain, 10, 5.0)  # slow, but no request of the costly class is there
+        assert b.aborted == []
+    with bench() as b:
+        pair = [b.follow("costly", GRAMMAR), b.follow("victim", PLAIN)]
+        b.tokens(pair, 10, 0.07)  # under 4x the floor that stands in for the norm (0.08 s)
+        assert b.aborted == []
+    with bench(abort_when_slow=False) as b:
+        pair = [b.follow("costly", GRAMMAR), b.follow("victim", PLAIN)]
+        b.tokens(pair, 10, 5.0)
+        assert b.aborted == []
+
+
+def test_the_norm_is_learnt_only_while_no_constrained_request_runs() -> None:
+    """A costly request cannot raise its own bar: its slow steps never enter the norm."""
+    with bench() as b:
+        victim = b.follow("victim", PLAIN)
+        b.tokens([victim], 5, 0.05)
+        with b.watch.follow(GRAMMAR, lambda: None) as costly:
+            b.tokens([costly], 5, 3.0)
+        assert b.watch.norm_s() == pytest.approx(0.05)
+        b.tokens([victim], 1, 0.01)  # below the floor: the floor stands
+        assert b.watch.norm_s() == pytest.approx(0.05)
+
+
+def test_a_constrained_request_that_comes_to_an_engine_already_slow_is_not_the_cause() -> None:
+    """Slow steps that began before it came (a long prefill, a full batch) are not its doing."""
+    with bench() as b:
+        plain = [b.follow("a", PLAIN), b.follow("b", PLAIN)]
+        b.tokens(plain, 20, 0.05)  # the norm
+        b.tokens(plain, 5, 1.0)
+        late = b.follow("late", GRAMMAR)
+        assert b.aborted == []
+        b.tokens([*plain, late], 2, 1.0)  # the window still began before it came
+        assert b.aborted == []
+        b.tokens([*plain, late], 1, 1.0)  # now slow since it has been there, and still slow
+        assert b.aborted == ["late"]
+
+
+def test_a_pass_through_is_no_peer_and_its_progress_is_not_judged() -> None:
+    """Models, tokenize, a stored response: no engine work, so not a request that waits."""
+    with bench() as b:
+        costly = b.follow("costly", GRAMMAR)
+        with b.watch.follow({}, lambda: None, engine_work=False) as passing:
+            b.tokens([costly, passing], 10, 5.0)
+        assert b.aborted == []
