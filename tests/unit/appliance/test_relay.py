@@ -450,3 +450,30 @@ async def test_a_too_costly_answer_not_yet_begun_is_a_400_in_the_routes_shape() 
     assert error["type"] == "invalid_request_error" and "too costly" in error["message"]
     assert setup.count("appliance_requests_too_costly_total") == 1
     assert setup.admission.in_flight == 0
+
+
+async def test_a_suspect_is_sent_again_alone_until_its_answer_begins() -> None:
+    """In flight at a death: sent to the next worker holding the quarantine's isolation, so
+    that no other suspect is in flight beside it if it kills the engine again."""
+    locked_at_first_chunk: list[bool] = []
+
+    async def first_chunk(index: int) -> None:
+        if index == 0:
+            locked_at_first_chunk.append(setup.quarantine.isolation.locked())
+
+    class Dying(Workers):
+        @contextlib.asynccontextmanager
+        async def exchange(self, method: str, path: str, body: bytes | None,
+                           headers: dict[str, str]) -> AsyncIterator[Reply]:
+            if len(self.sent) == 0:  # the forensics tell the quarantine what was in flight
+                setup.quarantine.died(e["fingerprint"] for e in self.engine.waiting.describe())
+            async with super().exchange(method, path, body, headers) as reply:
+                yield reply
+
+    engine = FakeEngine("http://127.0.0.1:9")
+    setup = Setup(Dying(engine, engine_lost(1), Reply(200, [b"data: 1\n\n", b"data: [DONE]\n\n"],
+                                                     first_chunk)), resume=True, engine=engine)
+    await setup.run(chat(stream=True))
+    assert setup.client.status == 200 and len(setup.worker.sent) == 2
+    assert locked_at_first_chunk == [True]
+    assert not setup.quarantine.isolation.locked()  # let go once its answer began
