@@ -9,7 +9,9 @@ and completions, streamed and not, and Responses and Anthropic Messages streams,
 temperature 0, while EngineCore is killed (-9) or frozen (SIGSTOP), alternately, `--interval`
 seconds after the engine was last ready, `--faults` times. Printed per fault and in total, the
 two configurations next to each other: the requests that met the fault, their client-visible
-failures (HTTP errors, 503s, broken connections, streams cut short or ended on an error event),
+failures (HTTP errors, 503s, broken connections, streams cut short or ended on an error event;
+a 503 is first asked again after its Retry-After, up to --sdk-retries times, as the OpenAI and
+Anthropic SDKs do by default: what still fails is what an application sees),
 the seams in the answers that succeeded (a second role chunk, a second id, text that differs
 from the reference), and their time to first text and total time.
 
@@ -85,10 +87,27 @@ def request_body(route: str, prompt: str, model: str, max_tokens: int, tag: str)
 
 
 async def ask(client: httpx.AsyncClient, route: str, prompt: str, body: dict[str, Any],
-              clock: Callable[[], float]) -> Result:
-    """One request read to its end (or its failure), as a client lives it."""
-    path, protocol, stream = ROUTES[route]
+              clock: Callable[[], float], retries: int = 0) -> Result:
+    """One request read to its end (or its failure), as a client lives it: a 503 asked again
+    after its Retry-After up to `retries` times, as the OpenAI and Anthropic SDKs do by default
+    (max_retries=2; they honour a Retry-After of up to 60 s)."""
     result = Result(route, prompt, clock(), clock())
+    while True:
+        wait_s = await _attempt(client, route, body, result, clock)
+        if wait_s is None or result.retries >= retries:
+            break
+        result.retries += 1
+        await asyncio.sleep(wait_s)
+    result.ended = clock()
+    return result
+
+
+async def _attempt(client: httpx.AsyncClient, route: str, body: dict[str, Any], result: Result,
+                   clock: Callable[[], float]) -> float | None:
+    """One try into `result`; the Retry-After to honour if it was a 503 that gave one."""
+    path, protocol, stream = ROUTES[route]
+    result.status, result.transport, result.facts = None, None, None
+    result.retry_after_s = None
     try:
         if stream:
             await _read_stream(client, path, protocol, body, result, clock)
@@ -97,12 +116,21 @@ async def ask(client: httpx.AsyncClient, route: str, prompt: str, body: dict[str
             result.status = response.status_code
             if response.status_code < 400:
                 result.facts = json_answer(response.json(), protocol)
+            elif response.status_code == 503:
+                return _retry_after(response)
     except httpx.HTTPError as exc:
         result.transport = type(exc).__name__
     except (ValueError, KeyError, IndexError, TypeError):
         result.facts = None  # an answer no client could read: counted as unreadable
-    result.ended = clock()
-    return result
+    return result.retry_after_s
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 < seconds <= 60 else None
 
 
 async def _read_stream(client: httpx.AsyncClient, path: str, protocol: str,
@@ -112,6 +140,8 @@ async def _read_stream(client: httpx.AsyncClient, path: str, protocol: str,
         result.status = response.status_code
         if response.status_code >= 400:
             await response.aread()
+            if response.status_code == 503:
+                result.retry_after_s = _retry_after(response)
             return
         name: str | None = None
         async for line in response.aiter_lines():
@@ -141,6 +171,7 @@ class Load:
                  clock: Callable[[], float]) -> None:
         self._client, self._model, self._clock = client, model, clock
         self._max_tokens, self._backoff_s = args.max_tokens, args.backoff
+        self._retries = args.sdk_retries
         self.results: list[Result] = []
         self.stop = asyncio.Event()
 
@@ -150,7 +181,7 @@ class Load:
             route = list(ROUTES)[(number + turn) % len(ROUTES)]
             prompt = PROMPTS[(number + 3 * turn) % len(PROMPTS)]
             body = request_body(route, prompt, self._model, self._max_tokens, f"u{number}-{turn}")
-            result = await ask(self._client, route, prompt, body, self._clock)
+            result = await ask(self._client, route, prompt, body, self._clock, self._retries)
             self.results.append(result)
             turn += 1
             if failure(result) is not None:  # as a client backs off: one failure, not a flood
@@ -229,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=10.0,
                         help="s of load after the last recovery")
     parser.add_argument("--timeout", type=float, default=120.0, help="client timeout, s")
+    parser.add_argument("--sdk-retries", type=int, default=2,
+                        help="a 503 asked again after its Retry-After, as the SDKs do (0: raw)")
     parser.add_argument("--backoff", type=float, default=1.0,
                         help="s a user waits after a failed request before its next one")
     parser.add_argument("--json", type=Path, help="also write the tallies here")

@@ -30,9 +30,11 @@ class Tally:
     seams: Counter[str] = field(default_factory=Counter)
     ttft_s: list[float] = field(default_factory=list)
     total_s: list[float] = field(default_factory=list)
+    retried: int = 0  # requests that were asked again after a 503, as an SDK does
 
     def add(self, result: Result, references: References) -> None:
         self.requests += 1
+        self.retried += result.retries > 0
         why = failure(result)
         if why is not None:
             self.failures[why] += 1
@@ -87,6 +89,7 @@ def _tally_rows(label: str, tally: Tally) -> list[tuple[str, str]]:
     return [(f"{label}: requests", str(tally.requests)),
             ("  client-visible failures", f"{failed}" + (f" ({_counts(tally.failures)})"
                                                          if failed else "")),
+            ("  asked again after a 503 (as an SDK)", str(tally.retried)),
             ("  seams", _counts(tally.seams)),
             ("  TTFT median / max", _times(tally.ttft_s)),
             ("  total time median / max", _times(tally.total_s))]

@@ -52,6 +52,8 @@ class Result:
     transport: str | None = None  # the connection failed: its exception's name
     facts: Facts | None = None
     ttft_s: float | None = None  # the first text's arrival, for streams
+    retries: int = 0  # 503s asked again after their Retry-After, as an SDK does
+    retry_after_s: float | None = None  # the last 503's Retry-After, if it was one
 
     @property
     def total_s(self) -> float:
