@@ -12,7 +12,7 @@ uninterrupted greedy run's of the same prompt).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,38 +79,50 @@ def openai_events(events: Iterable[Event], chat: bool) -> Facts:
     return facts
 
 
-def responses_events(events: Iterable[Event]) -> Facts:
+@dataclass(frozen=True)
+class _Vocabulary:
+    """How one protocol's named events tell an answer's facts."""
+
+    start: str  # the event that opens the answer and names it
+    opened: Callable[[dict[str, Any]], Any]  # its id, from that event
+    delta: str
+    text: Callable[[dict[str, Any]], Any]  # the text a delta adds
+    done: str  # the event of a finished answer
+    errors: dict[str, Callable[[dict[str, Any]], Any]]  # error events, each its error
+
+
+_RESPONSES = _Vocabulary(
+    "response.created", lambda e: e["response"].get("id"), "response.output_text.delta",
+    lambda e: e.get("delta"), "response.completed",
+    {"error": lambda e: e, "response.failed": lambda e: e["response"].get("error")})
+_ANTHROPIC = _Vocabulary(
+    "message_start", lambda e: e["message"].get("id"), "content_block_delta",
+    lambda e: e.get("delta", {}).get("text"), "message_stop", {"error": lambda e: e.get("error")})
+
+
+def _named_events(events: Iterable[Event], words: _Vocabulary) -> Facts:
     facts = Facts()
     for name, data in events:
         event = json.loads(data)
-        if name == "response.created":
-            facts.named(event["response"].get("id"))
+        if name == words.start:
+            facts.named(words.opened(event))
             facts.roles += 1
-        elif name == "response.output_text.delta":
-            facts.text += event.get("delta") or ""
-        elif name == "response.completed":
+        elif name == words.delta:
+            facts.text += words.text(event) or ""
+        elif name == words.done:
             facts.complete = True
-        elif name in ("error", "response.failed"):
-            facts.error(event if name == "error" else event["response"].get("error"))
+        elif name in words.errors:
+            facts.error(words.errors[name](event))
     facts.complete = facts.complete and not facts.errors
     return facts
+
+
+def responses_events(events: Iterable[Event]) -> Facts:
+    return _named_events(events, _RESPONSES)
 
 
 def anthropic_events(events: Iterable[Event]) -> Facts:
-    facts = Facts()
-    for name, data in events:
-        event = json.loads(data)
-        if name == "message_start":
-            facts.named(event["message"].get("id"))
-            facts.roles += 1
-        elif name == "content_block_delta":
-            facts.text += event.get("delta", {}).get("text") or ""
-        elif name == "message_stop":
-            facts.complete = True
-        elif name == "error":
-            facts.error(event.get("error"))
-    facts.complete = facts.complete and not facts.errors
-    return facts
+    return _named_events(events, _ANTHROPIC)
 
 
 def json_answer(body: dict[str, Any], protocol: str) -> Facts:

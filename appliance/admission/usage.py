@@ -25,10 +25,12 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from appliance.sse import END as _END
+from appliance.sse import Events
+
 _USAGE = b'"usage":{'
 _FINISHED = b'"finish_reason":"'
 _FINGERPRINT = b'"system_fingerprint"'
-_END = b"\n\n"
 _BYTES_PER_PROMPT_TOKEN = 4  # for the estimate only
 
 
@@ -127,7 +129,7 @@ class _Tap:
     def __init__(self, meter: Meter, strip: bool) -> None:
         self._meter = meter
         self._strip = strip  # the usage event was asked for the meter, not by the client
-        self._partial = b""  # the start of an event whose end has not arrived
+        self._events = Events()  # the start of an event whose end has not arrived
         self._held: list[bytes] = []  # events kept back, in order, until the usage event
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -140,20 +142,15 @@ class _Tap:
 
     def feed(self, chunk: bytes) -> bytes:
         self._meter.events += chunk.count(b"data:")
-        if (not self._partial and not self._held and chunk.endswith(_END) and _USAGE not in chunk
-                and not (self._strip and _FINISHED in chunk)):
+        if (not self._events.partial and not self._held and chunk.endswith(_END)
+                and _USAGE not in chunk and not (self._strip and _FINISHED in chunk)):
             return chunk  # the common case: nothing to look at
-        data = self._partial + chunk
-        cut = data.rfind(_END) + len(_END)
-        if cut < len(_END):
-            self._partial = data
-            return b""
-        self._partial = data[cut:]
-        return b"".join(self._event(event + _END) for event in data[:cut].split(_END)[:-1])
+        return self._events.each(chunk, self._event)
 
     def finish(self) -> bytes:
         """What is left when the stream ends (without a usage event: held events as they are)."""
-        rest, self._held, self._partial = b"".join(self._held) + self._partial, [], b""
+        rest = b"".join(self._held) + self._events.partial
+        self._held, self._events.partial = [], b""
         return rest
 
     def _event(self, event: bytes) -> bytes:

@@ -27,8 +27,9 @@ from typing import Any
 import msgspec
 
 from appliance.fences.vllm import TokenIds
+from appliance.sse import END as _END
+from appliance.sse import Events
 
-_END = b"\n\n"
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _NULL = b"null"
@@ -66,7 +67,7 @@ class StreamRecord:
     def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:
         self._payload = payload  # the body as forwarded (its budget fitted by then)
         self._visible = ids_visible  # the client asked for the ids itself: they stay
-        self._partial = b""  # the start of an event whose end has not arrived
+        self._events = Events()  # the start of an event whose end has not arrived
         self.head: Head | None = None
         self._prompt = b""  # the prompt's ids as the worker wrote them
         self._generated = bytearray()  # the generated ids, comma-separated
@@ -79,15 +80,9 @@ class StreamRecord:
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, the ids recorded on the way."""
-        if not self._partial and chunk.endswith(_END) and chunk.count(_END) == 1:
+        if not self._events.partial and chunk.endswith(_END) and chunk.count(_END) == 1:
             return self._event(chunk)  # one whole event: the common case
-        data = self._partial + chunk
-        cut = data.rfind(_END) + len(_END)
-        if cut < len(_END):
-            self._partial = data
-            return b""
-        self._partial = data[cut:]
-        return b"".join(self._event(event + _END) for event in data[:cut].split(_END)[:-1])
+        return self._events.each(chunk, self._event)
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(_DATA) or event.startswith(_DONE):
@@ -145,7 +140,7 @@ class StreamRecord:
         count, size = self._settled
         del self._generated[size:]
         self._count = count
-        self._partial = b""
+        self._events = Events()
         self._continued = True
         ids = self._prompt + (b"," + bytes(self._generated) if self._generated else b"")
         rest = msgspec.json.encode(self.continued_fields(count))

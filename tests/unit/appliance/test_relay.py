@@ -72,10 +72,14 @@ class Worker:
         self.sent.append((method, path, body))
         assert self.admission is not None
         self.in_flight_during.append(self.admission.in_flight)
+        yield self.answer()
+
+    def answer(self) -> Reply:
+        """This exchange's answer, or the failure it raises."""
         if self.fail is not None:
             raise self.fail
         assert self.reply is not None
-        yield self.reply
+        return self.reply
 
 
 class Gate:
@@ -322,19 +326,14 @@ class Workers(Worker):
         super().__init__()
         self.answers, self.engine = list(answers), engine
 
-    @contextlib.asynccontextmanager
-    async def exchange(self, method: str, path: str, body: bytes | None,
-                       headers: dict[str, str]) -> AsyncIterator[Reply]:
-        self.sent.append((method, path, body))
-        assert self.admission is not None
-        self.in_flight_during.append(self.admission.in_flight)
+    def answer(self) -> Reply:
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
             restart(self.engine)
             raise answer
         if isinstance(answer, Broken):
             answer.engine = self.engine
-        yield answer
+        return answer
 
 
 def restart(engine: FakeEngine) -> None:
