@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +25,7 @@ from supervisor.engine.stats import EngineStats, parse_engine_stats
 from supervisor.engine.worker import session_members
 from tests.net import free_port
 from tests.support.isolation import clean_env
+from tests.support.stack import first_event
 
 ENGINE_BOOT_S = 300  # cold start is ~35 s on 2 cores; generous for a loaded CI machine
 # A long answer (1500 tokens) takes minutes on 2 shared CPU cores: waiting longer means "never".
@@ -83,6 +84,10 @@ class Appliance:
             with contextlib.suppress(ValueError):
                 events.append(json.loads(line))
         return events
+
+    def wait_for_event(self, predicate: Callable[[dict[str, object]], bool],
+                       within_s: float = 5.0) -> dict[str, object] | None:
+        return first_event(self.log_events, predicate, within_s)
 
     def engine_stats(self) -> EngineStats:
         """The worker's own counters (its /metrics), not the appliance's view of them."""

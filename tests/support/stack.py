@@ -34,6 +34,21 @@ BOOT_S = 60.0
 STOP_S = 20.0
 
 
+Event = dict[str, object]
+
+
+def first_event(events: Callable[[], list[Event]], predicate: Callable[[Event], bool],
+                within_s: float = 5.0) -> Event | None:
+    """The first log event that satisfies `predicate`, polled for (a line about a request may
+    be written just after its answer went out); None if none came in time."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = next((event for event in events() if predicate(event)), None)
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
+
+
 @dataclass
 class Stack:
     url: str
@@ -100,14 +115,7 @@ class Stack:
 
     def wait_for_event(self, predicate: Callable[[dict[str, object]], bool],
                        within_s: float = 5.0) -> dict[str, object] | None:
-        """The first log event that satisfies `predicate`, polled for (a line about a request
-        may be written just after its answer went out); None if none came in time."""
-        deadline = time.monotonic() + within_s
-        while True:
-            found = next((event for event in self.log_events() if predicate(event)), None)
-            if found is not None or time.monotonic() >= deadline:
-                return found
-            time.sleep(0.05)
+        return first_event(self.log_events, predicate, within_s)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_lines()[-lines:])
