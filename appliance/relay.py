@@ -321,6 +321,8 @@ class Relay:
         engine.waiting.set_aside(self)
         if not await engine_back(engine, serial, deadline - time.monotonic()):
             raise error
+        # The death is counted by now: one that was its last allowed is refused, not sent.
+        deps.quarantine.check(engine.waiting.fingerprint(self, None))
         self._watch.follow_engine()
         engine.waiting.add(self, self._request_id, self._outbound)
         await self._isolate()

@@ -3,8 +3,9 @@ with it in flight it is refused (request_quarantined), while another client is s
 
 Over the synthetic worker started with --die-on (it SIGKILLs itself on the marker, as an engine
 crashes on a poison input): the real supervisor sees each death, its forensics tell the
-quarantine what was in flight, and the relay refuses the marker's third send. Both clients
-retry on 503 as the SDKs do (Retry-After, a bounded number of times)."""
+quarantine what was in flight, and the relay sends the marker again itself (resume) after the
+first death, and refuses it after the second. Both clients retry on 503 as the SDKs do
+(Retry-After, a bounded number of times)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def ask(appliance: Appliance, prompt: str, attempts: int = ATTEMPTS,
             return response, attempt
         time.sleep(min(float(response.headers.get("retry-after", "1")), wait_cap_s))
     raise AssertionError("unreachable")
+
+
+def quarantined_id(events: list[dict[str, object]]) -> object:
+    return next(e.get("request_id") for e in events if e.get("event") == "request.quarantined")
 
 
 def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_served(
@@ -67,7 +72,12 @@ def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_s
     assert marker.status_code == 422, (marker.status_code, marker.text)
     error = marker.json()["error"]  # the OpenAI shape, as the route speaks it
     assert error["code"] == "request_quarantined" and error["type"] == "invalid_request_error"
-    assert attempts >= 3  # two sends that killed the engine (and 503s while it restarted)
+    # The appliance sent it to the restarted engine itself once (resume): the engine died
+    # twice with it in flight (the bundles below) before its client saw anything at all.
+    assert attempts == 1
+    replayed = [e for e in events if e.get("event") == "request.outlived_engine_fault"
+                and e.get("request_id") == quarantined_id(events)]
+    assert len(replayed) == 1
     names = Counter(str(e.get("event")) for e in events)
     assert names["worker.spawned"] <= 3, names  # the first worker and at most two restarts
     failed = [e for e in events if e.get("event") == "engine.state" and e.get("new") == "failed"]
