@@ -7,13 +7,24 @@ import stat
 import sys
 from pathlib import Path
 
-from appliance.settings import EngineSettings, Settings
+import pytest
+
+from appliance.settings import CONFIG_ENV, EngineSettings, Settings
 from supervisor.doctor.access import allowed, check_access, service_account
 from supervisor.doctor.box import Account
 from supervisor.doctor.report import Level
 from tests.unit.supervisor.doctor.fakes import FakeBox
 
 SERVICE = Account("chat-appliance", 64000, frozenset({64000}))
+
+
+@pytest.fixture(autouse=True)
+def config_of_the_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config the check reads is the install's own, not the test isolation's file in the
+    checkout, whose directory a clean clone may have made 0700 (mktemp -d)."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    monkeypatch.setenv(CONFIG_ENV, str(config))
 
 
 def _install(tmp_path: Path) -> Settings:
