@@ -323,9 +323,9 @@ class Relay:
             raise error
         # The death is counted by now: one that was its last allowed is refused, not sent.
         deps.quarantine.check(engine.waiting.fingerprint(self, None))
+        await self._isolate()  # set aside while it waits: not in flight at a death meanwhile
         self._watch.follow_engine()
         engine.waiting.add(self, self._request_id, self._outbound)
-        await self._isolate()
         deps.metrics.outlived.labels(route=self._route, how=how).inc()
         log.info("request.outlived_engine_fault", how=how, worker=engine.serial)
 
