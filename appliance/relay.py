@@ -311,6 +311,9 @@ class Relay:
         if self._relayed_any and (record is None or not record.resumable):
             raise error
         engine = deps.engine
+        # Its name as the forensics gave it at the death (its body as sent, or as it stands if
+        # it failed before it was: at its budget's count).
+        fingerprint = engine.waiting.fingerprint(self, self._outbound.body())
         log.info("request.engine_fault", error=error.code, worker=serial, how=how)
         deadline = time.monotonic() + deps.resume.max_wait_s
         if not await loss_confirmed(engine, serial, min(deps.resume.confirm_s,
@@ -322,18 +325,18 @@ class Relay:
         if not await engine_back(engine, serial, deadline - time.monotonic()):
             raise error
         # The death is counted by now: one that was its last allowed is refused, not sent.
-        deps.quarantine.check(engine.waiting.fingerprint(self, None))
-        await self._isolate()  # set aside while it waits: not in flight at a death meanwhile
+        deps.quarantine.check(fingerprint)
+        await self._isolate(fingerprint)  # set aside while it waits: not in flight meanwhile
         self._watch.follow_engine()
         engine.waiting.add(self, self._request_id, self._outbound)
         deps.metrics.outlived.labels(route=self._route, how=how).inc()
         log.info("request.outlived_engine_fault", how=how, worker=engine.serial)
 
-    async def _isolate(self) -> None:
+    async def _isolate(self, fingerprint: str) -> None:
         """A request in flight at a death is sent again with no other such request beside it
         until its answer begins (Quarantine.isolation)."""
-        quarantine, waiting = self._deps.quarantine, self._deps.engine.waiting
-        if self._isolated is not None or not quarantine.suspected(waiting.fingerprint(self, None)):
+        quarantine = self._deps.quarantine
+        if self._isolated is not None or not quarantine.suspected(fingerprint):
             return
         lock = quarantine.isolation
         await lock.acquire()
