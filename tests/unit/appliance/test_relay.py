@@ -476,3 +476,19 @@ async def test_a_suspect_is_sent_again_alone_until_its_answer_begins() -> None:
     assert setup.client.status == 200 and len(setup.worker.sent) == 2
     assert locked_at_first_chunk == [True]
     assert not setup.quarantine.isolation.locked()  # let go once its answer began
+
+
+async def test_an_engine_lost_while_the_budget_is_counted_is_waited_out_too() -> None:
+    """The worker's /tokenize failed with it (never sent yet): counted again on the next one."""
+    setup = resuming(Reply(200, [b'{"ok": true}']))
+    fits = setup.gate.fitted_holding
+
+    async def fit_once_lost(vetted: Vetted) -> None:
+        fits.append(setup.admission.in_flight)
+        if len(fits) == 1:
+            restart(setup.engine)
+            raise engine_lost(1)
+
+    setup.gate.fit_budget = fit_once_lost  # type: ignore[method-assign]
+    await setup.run(chat())
+    assert setup.client.status == 200 and fits == [1, 1] and len(setup.worker.sent) == 1
