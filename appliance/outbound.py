@@ -76,8 +76,18 @@ class Outbound(Protocol):
         ...
 
 
+class StreamAsked:
+    """A request that streams when its body asks for it: only a JSON `true` does."""
+
+    payload: Mapping[str, Any]
+
+    @property
+    def stream(self) -> bool:
+        return self.payload.get("stream") is True
+
+
 @dataclass
-class PassThrough:
+class PassThrough(StreamAsked):
     """A worker route relayed as it is: no body, no slot, no budget, not metered."""
 
     route: WorkerRoute
@@ -95,10 +105,6 @@ class PassThrough:
     @property
     def shape(self) -> ErrorShape:
         return self.route.shape
-
-    @property
-    def stream(self) -> bool:
-        return self.payload.get("stream") is True
 
     def body(self) -> None:
         return None

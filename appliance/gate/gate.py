@@ -27,6 +27,7 @@ from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
 from appliance.fences.vllm import TokenIds
 from appliance.gate.budget import BudgetFitter
+from appliance.outbound import StreamAsked
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
@@ -40,7 +41,7 @@ _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image
 
 
 @dataclass
-class Vetted:
+class Vetted(StreamAsked):
     """A request that passed the rules: what to forward, and what the gate did to it. The
     relay sends it (an appliance.outbound.Outbound) holding an admission slot."""
 
@@ -62,10 +63,6 @@ class Vetted:
     @property
     def shape(self) -> ErrorShape:
         return self.api.shape
-
-    @property
-    def stream(self) -> bool:
-        return self.payload.get("stream") is True
 
     @property
     def target(self) -> str:

@@ -9,7 +9,6 @@ counters, so that it cannot pass with a prefill too short to matter.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load.procstat import Sampler
 from tests.integration.harness import Appliance, running_appliance
 from tests.support.stack import settings_env
 
@@ -35,34 +35,25 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
         yield appliance
 
 
-class StallMeter:
+class StallMeter(Sampler):
     """Samples the worker's counters while a request runs: the longest stretch none of them
     moved (what the progress watch sees of a prefill; vLLM's running gauge is not updated
     during one either, so the request being in flight is what says the engine is busy)."""
 
     def __init__(self, appliance: Appliance) -> None:
+        super().__init__(interval_s=0.1, join_s=30)
         self.longest_s = 0.0
         self._appliance = appliance
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._since = time.monotonic()
+        self._last: tuple[float, ...] | None = None
 
-    def __enter__(self) -> StallMeter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._done.set()
-        self._thread.join(30)
-
-    def _sample(self) -> None:
-        since, last = time.monotonic(), None
-        while not self._done.wait(0.1):
-            progress = self._appliance.engine_stats().progress
-            now = time.monotonic()
-            if progress != last:
-                since, last = now, progress
-            else:
-                self.longest_s = max(self.longest_s, now - since)
+    def sample(self) -> None:
+        progress = self._appliance.engine_stats().progress
+        now = time.monotonic()
+        if progress != self._last:
+            self._since, self._last = now, progress
+        else:
+            self.longest_s = max(self.longest_s, now - self._since)
 
 
 def _prompt_of(appliance: Appliance, tokens: int) -> str:

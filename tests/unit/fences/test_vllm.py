@@ -109,14 +109,14 @@ def test_the_engine_venv_holds_the_pinned_version_and_install_sh_pins_the_same()
 
 def test_the_server_takes_every_flag_we_pass() -> None:
     known = set(engine_facts()["flags"])
-    VLLM.require(set(vllm.FLAGS) <= known, "vLLM's server takes each flag of Flag",
-                 sorted(set(vllm.FLAGS) - known))
+    VLLM.require(set(vllm.Flag) <= known, "vLLM's server takes each flag of Flag",
+                 sorted(set(vllm.Flag) - known))
 
 
 def test_vllm_reads_every_environment_variable_we_set() -> None:
     known = set(engine_facts()["env"])
-    VLLM.require(set(vllm.ENV_VARS) <= known, "vllm/envs.py reads each variable of Env",
-                 sorted(set(vllm.ENV_VARS) - known))
+    VLLM.require(set(vllm.Env) <= known, "vllm/envs.py reads each variable of Env",
+                 sorted(set(vllm.Env) - known))
 
 
 def test_the_template_finds_its_modules_and_the_function_it_patches() -> None:
@@ -157,7 +157,7 @@ def engine_sources(pattern: str) -> str:
 def test_the_metrics_we_read_are_ones_vllm_exports() -> None:
     """Read from the source: the metrics are registered when an engine runs, not on import."""
     sources = engine_sources("vllm/v1/metrics/*.py")
-    for name in vllm.METRICS:
+    for name in vllm.Metric:
         base = re.sub(r"_(total|count|sum|bucket)$", "", name)
         VLLM.require(f'"{name}"' in sources or f'"{base}"' in sources,
                      f"vllm/v1/metrics registers {name}")

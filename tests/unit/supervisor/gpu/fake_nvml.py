@@ -5,6 +5,7 @@ NVMLError, MIG's refused process listing, host PIDs, and calls that block on a s
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -100,6 +101,14 @@ DEVICE_FUNCTIONS = [
     "nvmlEventSetWait",
 ]
 
+# Device calls that answer one setting of the GPU as it stands: function name → FakeGpu attribute.
+READINGS = {
+    "nvmlDeviceGetCurrentClocksEventReasons": "clock_reasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons": "clock_reasons",  # before nvidia-ml-py 12
+    "nvmlDeviceGetRetiredPagesPendingStatus": "retired_pending",
+    "nvmlDeviceGetRemappedRows": "remapped_rows",  # (corrected, uncorrected, pending, failed)
+}
+
 
 class FakeGpu:
     """One GPU behind a fake NVML; `module()` is what the monitor sees as `pynvml`."""
@@ -133,7 +142,19 @@ class FakeGpu:
         for name in dir(self):
             if name.startswith("nvml") and name not in drop:
                 setattr(module, name, getattr(self, name))
+        for name, attribute in READINGS.items():
+            if name not in drop:
+                setattr(module, name, self._reading(name, attribute))
         return module
+
+    def _reading(self, name: str, attribute: str) -> Callable[[str], Any]:
+        """The device call `name`, answering the test's setting `attribute`."""
+
+        def call(handle: str) -> Any:
+            self._device_call(name)
+            return getattr(self, attribute)
+
+        return call
 
     def _device_call(self, name: str) -> None:
         self.calls.append(name)
@@ -193,27 +214,11 @@ class FakeGpu:
         assert version == real_nvml.nvmlTemperature_v1
         return 72
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetCurrentClocksEventReasons")
-        return self.clock_reasons
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetCurrentClocksThrottleReasons")
-        return self.clock_reasons
-
     def nvmlDeviceGetTotalEccErrors(self, handle: str, error_type: int, counter: int) -> int:
         self._device_call("nvmlDeviceGetTotalEccErrors")
         assert error_type == real_nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
         assert counter == real_nvml.NVML_VOLATILE_ECC
         return 2
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: str) -> int:
-        self._device_call("nvmlDeviceGetRetiredPagesPendingStatus")
-        return self.retired_pending
-
-    def nvmlDeviceGetRemappedRows(self, handle: str) -> tuple[int, int, int, int]:
-        self._device_call("nvmlDeviceGetRemappedRows")
-        return self.remapped_rows
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[Any]:
         """As nvidia-ml-py 13: the unversioned call is _v3, and a driver without it raises
