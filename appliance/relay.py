@@ -334,15 +334,17 @@ class Relay:
 
     async def _isolate(self, fingerprint: str) -> None:
         """A request in flight at a death is sent again with no other such request beside it
-        until its answer begins (Quarantine.isolation)."""
-        quarantine = self._deps.quarantine
-        if self._isolated is not None or not quarantine.suspected(fingerprint):
+        until its answer begins, or resume.isolation_s at most (Quarantine.isolation)."""
+        quarantine, window_s = self._deps.quarantine, self._deps.resume.isolation_s
+        if self._isolated is not None or window_s == 0 or not quarantine.suspected(fingerprint):
             return
         lock = quarantine.isolation
         await lock.acquire()
         self._isolated = lock
+        timer = asyncio.get_running_loop().call_later(window_s, self._leave_isolation)
         assert self._exits is not None
         self._exits.callback(self._leave_isolation)
+        self._exits.callback(timer.cancel)
 
     def _leave_isolation(self) -> None:
         if self._isolated is not None:

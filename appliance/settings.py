@@ -384,6 +384,9 @@ class ResumeSettings(_Group):
     # the client's error (about its own bound: failed probes times their interval, a timeout).
     confirm_s: float = Field(15.0, gt=0)
     quarantine_after: int = Field(2, ge=1)  # engine deaths a request (fingerprint) was in flight at
+    # A request in flight at a death is sent again with no other such request beside it until
+    # its answer begins, or this long at most (a poison input kills the engine at its prefill).
+    isolation_s: float = Field(5.0, ge=0)
     quarantine_ttl_s: float = Field(3600.0, gt=0)  # how long a fingerprint's deaths are remembered
     max_quarantined: int = Field(1024, ge=1)  # fingerprints remembered, the oldest forgotten
 

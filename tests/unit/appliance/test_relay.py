@@ -125,7 +125,8 @@ class Client:
 
 class Setup:
     def __init__(self, worker: Worker, resume: bool = False,
-                 engine: FakeEngine | None = None, cost_clock: Any = None) -> None:
+                 engine: FakeEngine | None = None, cost_clock: Any = None,
+                 isolation_s: float = 5.0) -> None:
         self.engine = engine or FakeEngine("http://127.0.0.1:9")
         self.admission = Admission(1)
         self.metrics = RequestMetrics(CollectorRegistry())
@@ -138,7 +139,8 @@ class Setup:
         self.cost = CostWatch(ConstraintSettings(), self.metrics.too_costly,
                               *([cost_clock] if cost_clock is not None else []))
         self.deps = RelayDeps(self.engine, self.admission, self.gate, worker,  # type: ignore[arg-type]
-                              self.metrics, ResumeSettings(enabled=resume, max_wait_s=5),
+                              self.metrics, ResumeSettings(enabled=resume, max_wait_s=5,
+                                                           isolation_s=isolation_s),
                               self.quarantine, self.cost)
 
     async def run(self, outbound: Any) -> None:
@@ -492,3 +494,27 @@ async def test_an_engine_lost_while_the_budget_is_counted_is_waited_out_too() ->
     setup.gate.fit_budget = fit_once_lost  # type: ignore[method-assign]
     await setup.run(chat())
     assert setup.client.status == 200 and fits == [1, 1] and len(setup.worker.sent) == 1
+
+
+async def test_a_suspects_isolation_ends_after_its_window_though_its_answer_has_not_begun(
+) -> None:
+    """A non-streamed suspect shows no beginning until its end: the window bounds its turn."""
+    seen: list[bool] = []
+
+    class Slow(Reply):
+        async def read(self) -> bytes:
+            await asyncio.sleep(0.3)
+            seen.append(setup.quarantine.isolation.locked())
+            return await super().read()
+
+    class Dying(Workers):
+        def answer(self) -> Reply:
+            if not self.sent[1:]:
+                setup.quarantine.died(e["fingerprint"] for e in self.engine.waiting.describe())
+            return super().answer()
+
+    engine = FakeEngine("http://127.0.0.1:9")
+    setup = Setup(Dying(engine, engine_lost(1), Slow(200, [b'{"ok": true}'])), resume=True,
+                  engine=engine, isolation_s=0.05)
+    await setup.run(chat())
+    assert setup.client.status == 200 and seen == [False]
