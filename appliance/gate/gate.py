@@ -59,6 +59,7 @@ class Vetted(StreamAsked):
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
     prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
     record: StreamRecord | None = None  # what its stream keeps to go on after an engine fault
+    added: bytes = b""  # fields added to the raw body, where nothing else changed it
 
     @property
     def shape(self) -> ErrorShape:
@@ -73,7 +74,11 @@ class Vetted(StreamAsked):
         return self.client.name
 
     def body(self) -> bytes:
-        return msgspec.json.encode(self.payload) if self.changed else self.raw
+        if self.changed:
+            return msgspec.json.encode(self.payload)
+        if self.added:  # the client's object as sent, closed after the fields added to it
+            return self.raw.rstrip()[:-1] + self.added + b"}"
+        return self.raw
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
         """The engine works for it: it holds a slot, its usage metered there."""
@@ -136,9 +141,16 @@ class Gate:
         if record is None:
             return
         vetted.record = record
-        if vetted.payload.get(TokenIds.REQUEST) is not True:
-            vetted.payload[TokenIds.REQUEST] = True
+        payload = vetted.payload
+        if payload.get(TokenIds.REQUEST) is True:
+            return
+        # Appended to the bytes as sent where it is a new field of a body nothing else changed:
+        # an encode of the whole body per stream is what it would otherwise cost.
+        if not vetted.changed and TokenIds.REQUEST not in payload and payload:
+            vetted.added += b',"' + TokenIds.REQUEST.encode() + b'":true'
+        else:
             vetted.changed = True
+        payload[TokenIds.REQUEST] = True
 
     def _apply_client(self, vetted: Vetted) -> None:
         """The client's own rules: its max_tokens ceiling, its priority, its usage meter."""

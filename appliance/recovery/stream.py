@@ -34,6 +34,7 @@ _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _NULL = b"null"
 _FINISHED = b'"finish_reason":"'
+_UNFINISHED = b'"finish_reason":null'
 
 
 def _key(name: str) -> bytes:
@@ -75,6 +76,7 @@ class StreamRecord:
         self._settled = (0, 0)  # (count, bytes) of the ids up to the last event with text
         self.finished = False  # an event carried the finish reason: nothing more to generate
         self._continued = False  # events now come from a continuation, to be translated
+        self._steady = False  # the first event was read: the rest take the one-pass path
 
     # --- on the way to the client -----------------------------------------------------------
 
@@ -85,6 +87,8 @@ class StreamRecord:
         return self._events.each(chunk, self._event)
 
     def _event(self, event: bytes) -> bytes:
+        if self._steady:
+            return self._token_event(event)
         if not event.startswith(_DATA) or event.startswith(_DONE):
             return event
         if self._continued:
@@ -94,14 +98,42 @@ class StreamRecord:
         event, prompt = self._cut(event, _PROMPT_KEY)
         if prompt is not None and not self._prompt:
             self._prompt = prompt
+        self._steady = self.head is not None and bool(self._prompt)
         event, ids = self._cut(event, _GENERATED_KEY)
         if _FINISHED in event:
             self.finished = True
         if ids is not None:
-            self.record(ids, self.has_text(event))
-            if not self._visible and self.only_ids(event):
-                return b""
+            empty = self.no_text in event
+            self.record(ids, not empty)
+            if not self._visible and empty and self.drops_empty and _UNFINISHED in event:
+                return b""  # exists only to carry ids
         return event
+
+    def _token_event(self, event: bytes) -> bytes:
+        """An event after the first, in one pass (the hot path: most of a stream)."""
+        start = event.rfind(_GENERATED_KEY)
+        if start < 0:  # the usage event, [DONE]: nothing to record or cut
+            if _FINISHED in event:
+                self.finished = True
+            return event
+        first = start + len(_GENERATED_KEY)
+        end = event.find(b"]", first)
+        if end > first:
+            generated = self._generated
+            if generated:
+                generated += b","
+            generated += event[first:end]
+            self._count += event.count(b",", first, end) + 1
+        empty = self.no_text in event
+        if not empty:
+            self._settled = (self._count, len(self._generated))
+        if _FINISHED in event:
+            self.finished = True
+        if self._visible:
+            return event
+        if empty and self.drops_empty and _UNFINISHED in event:
+            return b""  # exists only to carry ids
+        return event[:first - 1] + _NULL + event[end + 1:]
 
     def _cut(self, event: bytes, key: bytes) -> tuple[bytes, bytes | None]:
         """The event without the ids under `key` (unless the client asked for them), and the
@@ -142,6 +174,7 @@ class StreamRecord:
         self._count = count
         self._events = Events()
         self._continued = True
+        self._steady = False
         ids = self._prompt + (b"," + bytes(self._generated) if self._generated else b"")
         rest = msgspec.json.encode(self.continued_fields(count))
         return Continuation(self.continued_target, b'{"prompt":[' + ids + b"]," + rest[1:])
@@ -188,13 +221,9 @@ class StreamRecord:
         if head.id is not None and head.created is not None:
             self.head = Head(head.id, head.created, head.model or "")
 
-    def has_text(self, event: bytes) -> bool:
-        """Whether the event carries text for the client."""
-        raise NotImplementedError
-
-    def only_ids(self, event: bytes) -> bool:
-        """Whether the event exists only because the ids were asked (the client never gets it)."""
-        return False
+    no_text: bytes  # what an event without text for the client holds
+    # Whether such an event (unfinished) exists only because the ids were asked, and is dropped.
+    drops_empty = False
 
     def continued_fields(self, generated: int) -> dict[str, Any]:
         """The continuation's body but its prompt, after `generated` tokens."""

@@ -102,11 +102,8 @@ class ChatRecord(_Continued):
         if "max_completion_tokens" not in payload:
             self.budget_field = "max_tokens"
 
-    def has_text(self, event: bytes) -> bool:
-        return b'"delta":{}' not in event
-
-    def only_ids(self, event: bytes) -> bool:
-        return b'"delta":{}' in event and b'"finish_reason":null' in event
+    no_text = b'"delta":{}'
+    drops_empty = True
 
     def translate(self, event: dict[str, Any]) -> bytes:
         choice = self._continued_choice(event)
@@ -137,8 +134,7 @@ class CompletionRecord(_Continued):
     budget_field = "max_tokens"
     event_object = "text_completion"
 
-    def has_text(self, event: bytes) -> bool:
-        return b'"text":""' not in event
+    no_text = b'"text":""'
 
     def translate(self, event: dict[str, Any]) -> bytes:
         choice = self._continued_choice(event)

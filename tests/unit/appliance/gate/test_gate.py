@@ -55,3 +55,20 @@ def test_an_output_constraint_is_vetted_at_the_gate_and_per_client() -> None:
     with pytest.raises(BadRequest) as refused:
         gate().vet_now(plain, CHAT, Client("strict", output_constraints=False))
     assert refused.value.code == "constraints_not_allowed"
+
+
+def test_a_resumable_stream_asks_for_its_token_ids_without_a_reencode() -> None:
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}\n'
+    vetted = gate().vet_now(raw, CHAT)
+    assert vetted.record is not None and not vetted.changed
+    sent = vetted.body()
+    assert sent.startswith(raw.rstrip()[:-1])  # the client's bytes, as sent
+    assert json.loads(sent) == json.loads(raw) | {"return_token_ids": True}
+    plain = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    assert gate().vet_now(plain, CHAT).body() == plain  # not streamed: nothing to keep
+    asked = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, ' \
+            b'"return_token_ids": true}'
+    visible = gate().vet_now(asked, CHAT)
+    assert visible.body() == asked and visible.record is not None
+    off = Gate(Settings(resume={"enabled": False}), None)  # type: ignore[arg-type]
+    assert off.vet_now(raw, CHAT).body() == raw
