@@ -14,11 +14,14 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from appliance.fences.vllm import Flag
-from appliance.settings import EngineSettings
+
+if TYPE_CHECKING:  # a type only: the GPU smoke check imports this without pydantic
+    from appliance.settings import EngineSettings
 
 log = structlog.get_logger("supervisor.engine.listen")
 

@@ -12,17 +12,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 import structlog
 
 from appliance.fences.vllm import SERVER_MODULE, Env, Flag
-from appliance.settings import EngineSettings
 from supervisor.engine.boot_phases import BootPhases
 from supervisor.engine.listen import listen_flags, listen_released
 from supervisor.engine.worker_output import WorkerOutput
 from supervisor.sdnotify import ENV_VARS
+
+if TYPE_CHECKING:  # a type only: the GPU smoke check imports this without pydantic
+    from appliance.settings import EngineSettings
 
 log = structlog.get_logger("supervisor.engine.worker")
 

@@ -16,11 +16,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import asdict, replace
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from appliance.settings import GpuSettings
 from supervisor.gpu.readings import GpuReading, GpuVerdict, Status
 from supervisor.gpu.xids import OPERATOR_ACTIONS, Resolution, classify_xid
 
@@ -73,10 +72,21 @@ class _Fatal(Exception):
         self.error = error
 
 
+class MonitorSettings(Protocol):
+    """What the monitor reads of its settings: the appliance's `gpu` section (GpuSettings), or
+    the GPU smoke check's own, which runs where pydantic is not installed."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def device(self) -> str: ...
+
+
 class GpuMonitor:
     """Watches one GPU through NVML; see the module docstring for the threading contract."""
 
-    def __init__(self, settings: GpuSettings, nvml: ModuleType | None = None) -> None:
+    def __init__(self, settings: MonitorSettings, nvml: ModuleType | None = None) -> None:
         self._settings = settings
         self._nvml: Any = nvml  # pynvml has no type hints: its attributes are Any anyway
         self._status: Status = "unavailable" if settings.enabled else "disabled"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.gpu import smoke
+from appliance.settings import GpuSettings
+from supervisor.gpu import smoke, smoke_checks
 from tests.unit.supervisor.gpu.fake_nvml import (
     UUID,
     FakeGpu,
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[4]
 
 def test_the_monitor_is_opened_by_index_and_by_uuid_with_typed_readings() -> None:
     gpu = FakeGpu()
-    report, monitor = smoke.check_nvml("0", gpu.module())
+    report, monitor = smoke_checks.check_nvml("0", gpu.module())
     assert monitor is not None
     assert report["ok"] is True
     assert report["uuid"] == UUID and report["same_device_by_uuid"] is True
@@ -35,7 +36,7 @@ def test_the_monitor_is_opened_by_index_and_by_uuid_with_typed_readings() -> Non
 def test_a_gpu_that_cannot_say_its_memory_fails_the_check() -> None:
     gpu = FakeGpu()
     gpu.fail["nvmlDeviceGetMemoryInfo"] = NVMLError_Unknown
-    report, monitor = smoke.check_nvml("0", gpu.module())
+    report, monitor = smoke_checks.check_nvml("0", gpu.module())
     assert report["ok"] is False
     assert "by_index.memory_used_bytes" in report["missing"]
     assert monitor is not None
@@ -45,21 +46,21 @@ def test_a_gpu_that_cannot_say_its_memory_fails_the_check() -> None:
 def test_no_gpu_is_said_as_such() -> None:
     gpu = FakeGpu()
     gpu.init_error = NVMLError_LibraryNotFound
-    report, monitor = smoke.check_nvml("0", gpu.module())
+    report, monitor = smoke_checks.check_nvml("0", gpu.module())
     assert monitor is None
     assert report == {"ok": False, "gpu": "none", "status": "unavailable"}
 
 
 def test_the_xid_drain_must_be_registered_and_return_at_once() -> None:
     gpu = FakeGpu()
-    _, monitor = smoke.check_nvml("0", gpu.module())
+    _, monitor = smoke_checks.check_nvml("0", gpu.module())
     assert monitor is not None
     gpu.xid(13)
     times = iter([10.0, 10.01])
-    report = smoke.check_xid_drain(monitor, clock=lambda: next(times))
+    report = smoke_checks.check_xid_drain(monitor, clock=lambda: next(times))
     assert report["ok"] is True and report["registered"] is True
     slow = iter([10.0, 12.0])
-    assert smoke.check_xid_drain(monitor, clock=lambda: next(slow))["ok"] is False
+    assert smoke_checks.check_xid_drain(monitor, clock=lambda: next(slow))["ok"] is False
     monitor.close()
 
 
@@ -67,6 +68,37 @@ def test_the_xid_drain_must_be_registered_and_return_at_once() -> None:
 def test_on_a_box_without_a_gpu_it_says_no_gpu_with_its_own_exit_status() -> None:
     done = subprocess.run([sys.executable, "-m", "supervisor.gpu.smoke"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == smoke.EXIT_NO_GPU == 3
+    assert done.returncode == smoke_checks.EXIT_NO_GPU == 3
     assert json.loads(done.stdout)["result"].startswith("no GPU")
     assert "no GPU" in done.stderr
+
+
+# Runs the check as on a bare GPU box: the appliance's own dependencies cannot be imported.
+_BARE_BOX = """
+import importlib.abc, runpy, sys
+ABSENT = {"pydantic", "pydantic_core", "pydantic_settings", "msgspec", "structlog", "litestar",
+          "httpx", "uvicorn", "vllm"}
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Absent())
+sys.argv = ["smoke"]
+runpy.run_module("supervisor.gpu.smoke", run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this box has a GPU")
+def test_it_runs_with_torch_nvml_and_psutil_alone() -> None:
+    """The check needs none of the appliance's other dependencies, and its log still reaches
+    stderr with its fields, leaving stdout to the JSON."""
+    done = subprocess.run([sys.executable, "-c", _BARE_BOX], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == smoke_checks.EXIT_NO_GPU, done.stderr
+    assert json.loads(done.stdout)["nvml"]["status"] == "unavailable"
+    assert "[info] gpu.unavailable reason=" in done.stderr
+
+
+def test_its_release_slack_is_the_appliances_default() -> None:
+    assert smoke.parse_args([]).release_slack_mib == GpuSettings().release_slack_mib
