@@ -32,6 +32,7 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -121,16 +122,28 @@ def engine_core(worker_pid: int) -> psutil.Process:
     return next(p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name())
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """A frozen worker's end, timed from the freeze: the hang declared (/health leaves 200),
+    a new worker ready (its /health 200), its pid, and the exit cause /health then names."""
+
+    declared_s: float
+    ready_s: float
+    pid: int
+    cause: dict[str, Any]
+
+
 def declared_and_replaced(appliance: Appliance, pid: int, began: float,
-                          request: threading.Thread) -> tuple[float, int, dict[str, Any]]:
-    """After a freeze at `began`: seconds until /health leaves 200, the new worker's pid once
-    it answers 200, and the exit cause /health then names, with `request` ended (or left)."""
+                          request: threading.Thread) -> Replaced:
+    """Timed before `request` is waited for: a request that outlives the fault (replayed or
+    resumed) ends well after the new worker is ready."""
     while appliance.health().status_code == 200:
         time.sleep(0.05)
     declared_s = time.monotonic() - began
     new = ready_again(appliance, pid)
-    request.join(60)
-    return declared_s, new, appliance.health().json().get("last_exit") or {}
+    ready_s = time.monotonic() - began
+    request.join(120)
+    return Replaced(declared_s, ready_s, new, appliance.health().json().get("last_exit") or {})
 
 
 def stream_story(url: str, started: threading.Event, ended: list[str]) -> None:
@@ -153,10 +166,10 @@ def sigstop_under_a_stream(appliance: Appliance, pid: int) -> tuple[int, dict[st
         raise RuntimeError("the stream never started")
     stopped_at, began = time.time(), time.monotonic()
     engine_core(pid).send_signal(signal.SIGSTOP)
-    declared_s, new, cause = declared_and_replaced(appliance, pid, began, thread)
-    return new, {"sigstop_to_declared_s": round(declared_s, 1),
-                 "sigstop_to_ready_s": round(time.monotonic() - began, 1),
-                 "reason": cause.get("reason"), "stream_last_line": ended[0][:80],
+    replaced = declared_and_replaced(appliance, pid, began, thread)
+    return replaced.pid, {"sigstop_to_declared_s": round(replaced.declared_s, 1),
+                 "sigstop_to_ready_s": round(replaced.ready_s, 1),
+                 "reason": replaced.cause.get("reason"), "stream_last_line": ended[0][:80],
                  "phases": phases(appliance, stopped_at)}
 
 
@@ -167,23 +180,34 @@ def freeze(pid: int, target: str) -> int:
     return victim
 
 
-def post_chat(url: str, words: int, stream: bool, started: threading.Event) -> None:
-    """A chat request of about `words` prompt tokens, read to its end (or its error)."""
+def post_chat(url: str, words: int, stream: bool, started: threading.Event,
+              outcome: list[str]) -> None:
+    """A chat request of about `words` prompt tokens, read to its end (or its error); its
+    outcome: the status, and for a stream whether it ended well ([DONE], no error event)."""
     body = {"messages": [{"role": "user", "content": "hello " * words}], "max_tokens": 400,
             "stream": stream, "ignore_eos": True}
-    with contextlib.suppress(httpx.HTTPError), \
-            httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as answer:
-        for _ in answer.iter_lines():
-            started.set()
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                          timeout=300) as answer:
+            lines = []
+            for line in answer.iter_lines():
+                started.set()
+                lines.append(line)
+            failed = any(line.startswith('data: {"error"') for line in lines)
+            ended = not stream or (bool(lines) and "data: [DONE]" in lines and not failed)
+            outcome.append(f"{answer.status_code}{'' if ended else ' broken'}")
+    except httpx.HTTPError as exc:
+        outcome.append(type(exc).__name__)
 
 
 def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple[int, dict[str, Any]]:
     """One freeze of `target` while `during` (idle, head, stream): seconds to the verdict and
     to a new worker's 200, timed from the freeze or, for a core frozen while idle, from the
     request that arrives 3 s after it (a request follows a frozen idle server too)."""
-    started = threading.Event()
+    started, outcome = threading.Event(), list[str]()
     words, stream = (1500, False) if during == "head" else (8, True)
-    request = threading.Thread(target=post_chat, args=(appliance.url, words, stream, started))
+    request = threading.Thread(target=post_chat,
+                               args=(appliance.url, words, stream, started, outcome))
     if during == "idle":
         freeze(pid, target)
         began = time.monotonic()
@@ -198,10 +222,13 @@ def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple
     if during != "idle":
         freeze(pid, target)
         began = time.monotonic()
-    declared_s, new, cause = declared_and_replaced(appliance, pid, began, request)
-    return new, {"frozen": target, "during": during, "declared_s": round(declared_s, 1),
-                 "ready_s": round(time.monotonic() - began, 1), "reason": cause.get("reason"),
-                 "detail": str(cause.get("detail"))[:90]}
+    replaced = declared_and_replaced(appliance, pid, began, request)
+    return replaced.pid, {"frozen": target, "during": during,
+                          "declared_s": round(replaced.declared_s, 1),
+                          "ready_s": round(replaced.ready_s, 1),
+                          "request": outcome[0] if outcome else "unfinished",
+                          "reason": replaced.cause.get("reason"),
+                          "detail": str(replaced.cause.get("detail"))[:90]}
 
 
 def long_prefill(appliance: Appliance, pid: int, tokens: int) -> dict[str, Any]:
