@@ -45,6 +45,7 @@ class _Held:
     request_id: str
     pending: Pending
     serial: int  # the count of requests sent when it was added
+    answering: bool = False  # a byte of its answer came from this worker
 
 
 class Waiting:
@@ -68,6 +69,17 @@ class Waiting:
     def add(self, key: object, request_id: str, pending: Pending) -> None:
         self._requests[key] = _Held(request_id, pending, self.sent)
         self.sent += 1
+
+    def answering(self, key: object) -> None:
+        """The first byte of the request's answer came: the worker has taken it up."""
+        held = self._requests.get(key)
+        if held is not None:
+            held.answering = True
+
+    def unanswered(self) -> int:
+        """Requests with no byte of their answer yet: work the engine owes whatever its gauges
+        say (read once a second by the supervisor)."""
+        return sum(not held.answering for held in self._requests.values())
 
     def discard(self, key: object) -> None:
         self._requests.pop(key, None)

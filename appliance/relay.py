@@ -144,6 +144,7 @@ class Relay:
         self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
         self._relayed_any = False  # and some of the body: the request can no longer start over
+        self._answering = False  # a byte of the answer came in this exchange (Waiting.answering)
         self._sending = False  # a chunk is on its way through ASGI: none may pass it
         self._first_at: float | None = None  # the request's arrival, until the first chunk
         self._reply: Reply | None = None  # the worker's answer being read
@@ -234,6 +235,7 @@ class Relay:
         assert self._exits is not None
         self._reply = reply = await self._exits.enter_async_context(deps.upstream.exchange(
             outbound.method, request.target, request.body, headers))
+        self._answering = False
         if reply.status >= 300:
             error = upstream_error(reply.status, await reply.read())
             if engine_fault(error):
@@ -380,6 +382,9 @@ class Relay:
             self._deps.metrics.first_token(self._route, time.perf_counter() - self._first_at)
             self._first_at = None
         self._relayed_any = True
+        if not self._answering:  # the worker took the request up: it owes no first token
+            self._answering = True
+            self._deps.engine.waiting.answering(self)
         self._so_far.relayed(chunk)
         if self._isolated is not None:  # its answer began: the next suspect may go
             self._leave_isolation()

@@ -43,7 +43,7 @@ from supervisor.gpu.watch import build_gpu_watch
 from supervisor.monitors import Monitor
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
-from supervisor.monitors.progress import ProgressMonitor
+from supervisor.monitors.progress import ProgressMonitor, WorkerDemand
 from supervisor.monitors.stillness import Stillness, server_activity
 from supervisor.reload import Reloader
 from supervisor.sdnotify import Notifier
@@ -116,8 +116,9 @@ async def serve(settings: Settings) -> int:
     # Only requests the API sends make the engine work: while none is, it is not read again;
     # while some wait on it, they are work even if the worker's own gauges froze.
     waiting = Waiting(settings.policy.max_inflight)
-    progress = ProgressMonitor(prober, sup, demand=lambda: (len(waiting), waiting.sent),
-                               stillness=Stillness(sup, "/metrics"), server=server_activity)
+    progress = ProgressMonitor(
+        prober, sup, demand=lambda: WorkerDemand(len(waiting), waiting.sent, waiting.unanswered()),
+        stillness=Stillness(sup, "/metrics"), server=server_activity)
     monitors: list[Monitor] = [
         HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
                       stillness=Stillness(sup, "/health")),

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import psutil
 import structlog
@@ -121,9 +121,15 @@ def runnable_threads(pid: int) -> int:
     return count
 
 
-# (the appliance's requests waiting on the worker, requests sent to it so far): see
-# appliance.engine.Waiting.
-Demand = Callable[[], tuple[int, int]]
+class WorkerDemand(NamedTuple):
+    """The appliance's own requests on the worker (appliance.engine.Waiting)."""
+
+    in_flight: int  # waiting on the worker
+    sent: int  # sent to it so far
+    unanswered: int = 0  # in flight with no byte of their answer yet
+
+
+Demand = Callable[[], WorkerDemand]
 
 
 class ProgressMonitor:
@@ -186,17 +192,17 @@ class ProgressMonitor:
         busy = stats.busy or self._owed(demand)
         if stats.busy or not busy:
             self._server_marks.clear()
-        self._admitted_at_reading = demand[1] if demand is not None and not busy else None
+        self._admitted_at_reading = demand.sent if demand is not None and not busy else None
         if not busy:
             self._counters = stats.progress
-            self._sent_at_progress = demand[1] if demand is not None else None
+            self._sent_at_progress = demand.sent if demand is not None else None
             return await self._idle(now, worker)
         if stats.progress != self._counters:
             stretch = now - self._last_progress
             if self._counters is not None:
                 self.longest_step_s = max(self.longest_step_s, stretch)
             self._counters, self._last_progress = stats.progress, now
-            self._sent_at_progress = demand[1] if demand is not None else None
+            self._sent_at_progress = demand.sent if demand is not None else None
             # The base of a later stall's window: a sample at or before its start, whose
             # threads a verdict never reads (only those of samples after the start).
             self._sample(now, self._activity(worker, False))
@@ -211,9 +217,13 @@ class ProgressMonitor:
         self._sample(now, self._activity(worker, False))
         return await self._idle_canary(now, worker)
 
-    def _owed(self, demand: tuple[int, int] | None) -> bool:
-        """Requests wait on the worker and one was sent since the engine last made progress."""
-        return demand is not None and demand[0] > 0 and demand[1] != self._sent_at_progress
+    def _owed(self, demand: WorkerDemand | None) -> bool:
+        """Requests wait on the worker, and one was sent since the engine last made progress or
+        one has had no byte of its answer yet. The second matters when the counters moved for
+        another request just after this one was sent and the engine stopped before taking it:
+        its gauges say idle, yet it owes that request its first token."""
+        return demand is not None and demand.in_flight > 0 and (
+            demand.sent != self._sent_at_progress or demand.unanswered > 0)
 
     def _server_working(self, now: float, worker: Worker) -> bool:
         """Only the appliance knows of the work: the API server may still be preparing it
@@ -234,21 +244,20 @@ class ProgressMonitor:
         return reading.cpu_s - base >= sup.hang_cpu_floor * (now - since)
 
     def _unanswered(self, now: float, worker: Worker,
-                    demand: tuple[int, int] | None) -> ExitCause | None:
+                    demand: WorkerDemand | None) -> ExitCause | None:
         """/metrics got no answer: with requests waiting, a server that does not run is hung;
         else the health monitor's call to make."""
         self._sample(now, self._activity(worker, True))
-        waiting = demand[0] if demand is not None else 0
+        waiting = demand.in_flight if demand is not None else 0
         if self._stillness is None or not waiting:
             return None
         return self._stillness.unanswered(worker, waiting)
 
-    def _still_idle(self, demand: tuple[int, int] | None) -> bool:
+    def _still_idle(self, demand: WorkerDemand | None) -> bool:
         """The last reading found the engine idle and no request was admitted since."""
         if demand is None or self._admitted_at_reading is None:
             return False
-        in_flight, admitted = demand
-        return in_flight == 0 and admitted == self._admitted_at_reading
+        return demand.in_flight == 0 and demand.sent == self._admitted_at_reading
 
     def _verdict(self, now: float) -> ExitCause | None:
         sup = self._sup

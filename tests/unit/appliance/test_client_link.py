@@ -169,7 +169,8 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
     from appliance.metrics import RequestMetrics
     from appliance.relay import Relay
 
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings(),
+                           engine=FakeEngine("http://127.0.0.1:9"))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link, relay._arrived = "/v1/chat/completions", None, time.perf_counter()
     relay._cost = followed()
@@ -206,7 +207,8 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
     from appliance.relay import Relay
 
     cycle = Cycle()
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings())
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings(),
+                           engine=FakeEngine("http://127.0.0.1:9"))
     relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
     relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
     relay._cost = followed()

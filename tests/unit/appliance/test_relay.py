@@ -186,6 +186,21 @@ async def test_a_vetted_request_holds_its_slot_through_the_exchange_and_lets_go_
     assert setup.client.headers[b"x-request-id"] == b"rid-1"
 
 
+async def test_a_stream_owes_its_first_byte_until_it_comes() -> None:
+    """What the supervisor's progress watch reads: a request with no byte of its answer yet is
+    work the engine owes, whatever its gauges say; once bytes flow, it is not."""
+    seen: list[int] = []
+    reply = Reply(200, [b"data: {}\n\n", b"data: {}\n\n", b"data: [DONE]\n\n"],
+                  on_chunk=lambda _: _note(seen, setup.engine.waiting.unanswered()))
+    setup = Setup(Worker(reply))
+    await setup.run(chat(stream=True))
+    assert seen == [1, 0, 0]
+
+
+async def _note(seen: list[int], unanswered: int) -> None:
+    seen.append(unanswered)
+
+
 async def test_a_pass_through_takes_no_slot_fits_no_budget_and_sends_no_body() -> None:
     setup = Setup(Worker(Reply(200, [b'{"version": "x"}'])))
     await setup.run(PassThrough(VERSION, "GET", "/version"))

@@ -10,7 +10,7 @@ import pytest
 from appliance.settings import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
-from supervisor.monitors.progress import Activity, ProgressMonitor
+from supervisor.monitors.progress import Activity, ProgressMonitor, WorkerDemand
 from supervisor.monitors.stillness import Stillness
 from tests.unit.supervisor.monitors.clock import Clock
 
@@ -82,9 +82,10 @@ SETTINGS = SupervisorSettings(progress_interval_s=1, hang_stall_s=5, hang_cpu_fl
 
 def monitor(engine: Engine, clock: Clock, settings: SupervisorSettings = SETTINGS,
             demand: list[int] | None = None) -> ProgressMonitor:
-    """`demand`: [in flight, admitted so far], as the API's admission tells them."""
+    """`demand`: [in flight, admitted so far(, with no byte of their answer yet)], as the API's
+    admission tells them."""
     return ProgressMonitor(engine, settings, clock=clock,
-                           demand=None if demand is None else lambda: (demand[0], demand[1]),
+                           demand=None if demand is None else lambda: WorkerDemand(*demand),
                            activity=lambda _, threads: engine.activity(threads))
 
 
@@ -246,12 +247,30 @@ async def test_an_engine_frozen_while_idle_is_hung_soon_after_a_request_waits_on
     through the idle canary (47 s)."""
     engine, clock, demand = Engine(), Clock(), [0, 0]
     server = Server(clock)  # idle: it passed the request on and waits for EngineCore
-    mon = ProgressMonitor(engine, SETTINGS, clock=clock, demand=lambda: (demand[0], demand[1]),
+    mon = ProgressMonitor(engine, SETTINGS, clock=clock, demand=lambda: WorkerDemand(*demand),
                           activity=lambda _, threads: engine.activity(threads),
                           server=lambda _, threads: server.activity())
     _, cause = await run_for(20, mon, engine, clock)  # idle, and frozen from here on
     assert cause is None
     demand[:] = [1, 1]  # a request arrives and waits for its head
+    after, cause = await run_for(60, mon, engine, clock)
+    assert cause is not None and cause.reason is ExitReason.HUNG and "not running" in cause.detail
+    assert after <= 7 and engine.canaries == 0
+
+
+async def test_a_request_sent_as_the_counters_moved_for_another_is_still_owed() -> None:
+    """The held-out case again, with a twist measured on the real worker: a request is sent
+    just as the engine finishes the one before (its last tokens move the counters after the
+    send), then EngineCore stops before taking the new one. Its gauges say idle and nothing
+    was sent since the last progress, but the request has had no byte of its answer: hung in
+    seconds, not through the idle canary (16.5 s)."""
+    engine, clock, demand = Engine(busy=True), Clock(), [1, 1, 0]
+    mon = monitor(engine, clock, demand=demand)
+    await run_for(5, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)
+    demand[:] = [2, 2, 1]  # the next request is sent
+    await run_for(1, mon, engine, clock, cpu_per_s=0.9, steps_per_s=2)  # the first one's last steps
+    demand[:] = [1, 2, 1]  # the first is answered in full; the engine stops, idle by its gauges
+    engine.busy = False
     after, cause = await run_for(60, mon, engine, clock)
     assert cause is not None and cause.reason is ExitReason.HUNG and "not running" in cause.detail
     assert after <= 7 and engine.canaries == 0
@@ -263,7 +282,7 @@ async def test_a_request_the_api_server_still_prepares_is_not_a_hung_engine() ->
     engine, clock, demand = Engine(), Clock(), [0, 0]
     server = Server(clock, cpu_per_question=0.5)  # half a core, one read a second
     mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
-                          demand=lambda: (demand[0], demand[1]),
+                          demand=lambda: WorkerDemand(*demand),
                           activity=lambda _, threads: engine.activity(threads),
                           server=lambda _, threads: server.activity())
     await run_for(5, mon, engine, clock)
@@ -303,7 +322,7 @@ async def test_a_metrics_read_unanswered_with_requests_waiting_and_a_still_serve
     engine, clock, demand = Engine(busy=True), Clock(), [2, 2]
     server = Server(clock)
     mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
-                          demand=lambda: (demand[0], demand[1]),
+                          demand=lambda: WorkerDemand(*demand),
                           activity=lambda _, threads: engine.activity(threads),
                           stillness=Stillness(SETTINGS, "/metrics", clock=clock,
                                               activity=lambda _, threads: server.activity()))
@@ -324,7 +343,7 @@ async def test_a_metrics_read_unanswered_by_a_running_server_is_not_hung() -> No
     engine, clock, demand = Engine(busy=True, answers_metrics=False), Clock(), [2, 2]
     server = Server(clock, cpu_per_question=0.2)
     mon = ProgressMonitor(server.asked(engine), SETTINGS, clock=clock,
-                          demand=lambda: (demand[0], demand[1]),
+                          demand=lambda: WorkerDemand(*demand),
                           activity=lambda _, threads: engine.activity(threads),
                           stillness=Stillness(SETTINGS, "/metrics", clock=clock,
                                               activity=lambda _, threads: server.activity()))
