@@ -181,10 +181,12 @@ def freeze(pid: int, target: str) -> int:
 
 
 def post_chat(url: str, words: int, stream: bool, started: threading.Event,
-              outcome: list[str]) -> None:
+              outcome: list[str], case: str) -> None:
     """A chat request of about `words` prompt tokens, read to its end (or its error); its
-    outcome: the status, and for a stream whether it ended well ([DONE], no error event)."""
-    body = {"messages": [{"role": "user", "content": "hello " * words}], "max_tokens": 400,
+    outcome: the status, and for a stream whether it ended well ([DONE], no error event).
+    Each case's body is its own: one body in flight at two engine deaths is quarantined."""
+    content = f"{case}: " + "hello " * words
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 400,
             "stream": stream, "ignore_eos": True}
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
@@ -207,7 +209,8 @@ def hang_case(appliance: Appliance, pid: int, target: str, during: str) -> tuple
     started, outcome = threading.Event(), list[str]()
     words, stream = (1500, False) if during == "head" else (8, True)
     request = threading.Thread(target=post_chat,
-                               args=(appliance.url, words, stream, started, outcome))
+                               args=(appliance.url, words, stream, started, outcome,
+                                     f"{target} frozen during {during}"))
     if during == "idle":
         freeze(pid, target)
         began = time.monotonic()
