@@ -62,6 +62,7 @@ class ProgressProber(Protocol):
 class Activity:
     cpu_s: float  # CPU seconds the engine processes used so far
     runnable: int  # their threads running or waiting for a core (or in uninterruptible I/O)
+    stopped: bool = False  # every thread stopped (SIGSTOP, a tracer): none runs until continued
 
 
 class EngineActivity:
@@ -104,11 +105,17 @@ class EngineActivity:
 
 def runnable_threads(pid: int) -> int:
     """Threads of `pid` in state R (running or runnable) or D (in I/O): doing work."""
-    count = 0
+    return thread_states(pid)[0]
+
+
+def thread_states(pid: int) -> tuple[int, bool]:
+    """Threads of `pid` doing work (R, D), and whether every thread is stopped (T by a signal,
+    t by a tracer): a process that cannot run until something continues it."""
+    count, stopped, seen = 0, 0, 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0
+        return 0, False
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as handle:
@@ -118,7 +125,9 @@ def runnable_threads(pid: int) -> int:
         # "tid (comm) S ...": the state follows the last ')', since comm may hold spaces.
         state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
         count += state in (b"R", b"D")
-    return count
+        stopped += state in (b"T", b"t")
+        seen += 1
+    return count, seen > 0 and stopped == seen
 
 
 class WorkerDemand(NamedTuple):

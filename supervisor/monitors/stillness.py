@@ -17,7 +17,7 @@ import psutil
 from appliance.settings import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.worker import Worker
-from supervisor.monitors.progress import Activity, runnable_threads
+from supervisor.monitors.progress import Activity, thread_states
 
 
 def server_activity(worker: Worker, threads: bool) -> Activity | None:
@@ -26,7 +26,8 @@ def server_activity(worker: Worker, threads: bool) -> Activity | None:
         times = psutil.Process(worker.pid).cpu_times()
     except psutil.Error:
         return None
-    return Activity(times.user + times.system, runnable_threads(worker.pid) if threads else 0)
+    runnable, stopped = thread_states(worker.pid) if threads else (0, False)
+    return Activity(times.user + times.system, runnable, stopped)
 
 
 @dataclass
@@ -78,9 +79,16 @@ class Stillness:
         silent_s = now - self._silent.since
         used = after.cpu_s - self._silent.base.cpu_s
         sup = self._sup
+        owed = f" with requests waiting on it ({waiting})" if waiting else ""
+        if after.stopped:
+            # Whatever it used before it was stopped (a busy server's last moments can exceed
+            # the floor and put the verdict off by a whole question): it will not run again.
+            return ExitCause("running", ExitReason.HUNG,
+                             f"the worker's API server did not answer {self._what} for "
+                             f"{now - self._asked_at:.1f}s{owed} and is stopped (a signal or "
+                             "a tracer): not running")
         if silent_s < sup.hang_stall_s or after.runnable or used >= sup.hang_cpu_floor * silent_s:
             return None
-        owed = f" with requests waiting on it ({waiting})" if waiting else ""
         return ExitCause("running", ExitReason.HUNG,
                          f"the worker's API server did not answer {self._what} for "
                          f"{silent_s:.1f}s{owed} and used {used:.2f}s of CPU meanwhile: "

@@ -30,17 +30,20 @@ class Server:
     cpu: float = 0.0
     cpu_per_s: float = 0.0  # while not answering
     runnable: int = 0
+    stopped: bool = False  # every thread in state T
+    last_burst: float = 0.0  # CPU it used after the question came and before it stopped
 
     async def healthy(self) -> bool:
         if self.answers:
             return True
         if not self.quick_refusal:
             self.clock.now += SETTINGS.health_timeout_s
-            self.cpu += self.cpu_per_s * SETTINGS.health_timeout_s
+            self.cpu += self.cpu_per_s * SETTINGS.health_timeout_s + self.last_burst
+            self.last_burst = 0.0
         return False
 
     def activity(self, threads: bool) -> Activity:
-        return Activity(self.cpu, self.runnable if threads else 0)
+        return Activity(self.cpu, self.runnable if threads else 0, threads and self.stopped)
 
 
 def health(server: Server, clock: Clock, stillness: bool = True) -> HealthMonitor:
@@ -71,6 +74,20 @@ async def test_a_stopped_server_is_hung_after_its_first_unanswered_probe() -> No
     after, cause = await run_for(60, mon, clock)
     assert cause is not None and cause.reason is ExitReason.HUNG
     assert "did not answer /health" in cause.detail and "not running" in cause.detail
+    assert after <= 8
+
+
+async def test_a_server_stopped_mid_stream_is_hung_at_its_first_unanswered_probe() -> None:
+    """Measured on the real worker: a server busy streaming, stopped just after a probe came,
+    used 0.3 s of CPU in its last moments. Judged by CPU alone, that put the verdict off by a
+    whole probe (12 s); a process whose every thread is stopped will not run again."""
+    clock = Clock()
+    server = Server(clock)
+    mon = health(server, clock)
+    await run_for(6, mon, clock)
+    server.answers, server.stopped, server.last_burst = False, True, 0.3
+    after, cause = await run_for(60, mon, clock)
+    assert cause is not None and cause.reason is ExitReason.HUNG and "is stopped" in cause.detail
     assert after <= 8
 
 

@@ -359,7 +359,7 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
     import sys
     import time
 
-    from supervisor.monitors.progress import runnable_threads
+    from supervisor.monitors.progress import runnable_threads, thread_states
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -372,11 +372,13 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
         while runnable_threads(sleep.pid) != 0:
             assert time.monotonic() < deadline, "a sleeping process still looked runnable"
             time.sleep(0.05)
+        assert thread_states(sleep.pid) == (0, False)  # asleep is not stopped
         spin.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while runnable_threads(spin.pid) != 0:
             assert time.monotonic() < deadline, "a stopped process still looked runnable"
             time.sleep(0.05)
+        assert thread_states(spin.pid) == (0, True)
     finally:
         for proc in (spin, sleep):
             proc.kill()
