@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import uvloop
 
 from supervisor.engine.probe import HttpProber
 from tests.net import free_port
@@ -181,4 +182,16 @@ async def test_a_probe_reaches_the_worker_while_the_calling_loop_is_blocked(work
         assert await probe
     finally:
         Worker.on_request = None
+        await prober.aclose()
+
+
+async def test_the_probes_loop_is_uvloops(worker) -> None:  # type: ignore[no-untyped-def]
+    """Most of a probe's CPU is its thread waking and its loop turning: uvloop's turn costs a
+    fraction of asyncio's own (the serving loop is uvloop's too, supervisor/main.py)."""
+    _, url = worker
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        assert await prober.healthy()
+        assert isinstance(prober._loop, uvloop.Loop)
+    finally:
         await prober.aclose()
