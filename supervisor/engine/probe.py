@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import structlog
 
 from appliance.errors import ApiError
+from appliance.fences.vllm import METRICS_PATH
 from appliance.upstream import Limits, Upstream, loop_factory
 from supervisor.engine.stats import EngineStats, parse_engine_stats
 
@@ -59,8 +60,9 @@ class HttpProber:
         return await self._ok("POST", "/v1/completions", json.dumps(body).encode(), timeout_s)
 
     async def engine_stats(self) -> EngineStats | None:
-        """The worker's /metrics, read for progress; None if it did not answer."""
-        answer = await self._request("GET", "/metrics")
+        """The worker's series that progress reads, not its whole /metrics page (~65 KB, which
+        its server renders for each read); None if it did not answer."""
+        answer = await self._request("GET", METRICS_PATH)
         if answer is None or answer[0] != 200:
             return None
         return parse_engine_stats(answer[1].decode("utf-8", "replace"))
