@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -232,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 measure("warm-up", run.url, run.pids, args, stream=True)
             for run, measured in zip(runs, idles([r.pids for r in runs], args.idle_s), strict=True):
                 run.idles.append(measured)
-            for _ in range(args.rounds):
-                for run in runs:  # alternating: each appliance meets the same conditions
+            for n in range(args.rounds):
+                # Alternating, and in turn first: each appliance meets the same conditions.
+                for run in runs if n % 2 == 0 else runs[::-1]:
                     run.phases.append(measure("streaming", run.url, run.pids, args, stream=True))
                     run.phases.append(measure("non-streaming", run.url, run.pids, args,
                                               stream=False))
@@ -271,23 +273,32 @@ def report(run: Run, args: argparse.Namespace) -> None:
                       "phases": [phase.__dict__ for phase in run.phases]}))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def compare(runs: list[Run]) -> None:
-    """The appliance's CPU per request in each run, every round of a mode pooled, against the
-    first run's: the side-by-side answer to "did this change cost CPU"."""
-    print("\n## side by side: appliance CPU ms per request, every round pooled\n")
-    print("| appliance | mode | appliance | of it off the serving loop | vLLM API server | "
-          "appliance / API server | appliance vs the first |")
-    print("|---|---|---|---|---|---|---|")
+    """Each run's appliance next to the first run's, every round of a mode pooled and its median
+    round: CPU per request; the whole box's share (appliance and API server together, since a
+    change may move work between them); and off the serving loop per second, which is where
+    the probes' cost shows (they cost per second of work, not per request)."""
+    print("\n## side by side: CPU ms per request (pooled, median round), and per second\n")
+    print("| appliance | mode | appliance | median round | appliance + API server | "
+          "appliance / API server | appliance vs the first | off the serving loop, ms/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in ("streaming", "non-streaming"):
         first = pooled(name, [p for p in runs[0].phases if p.name == name])
         for run in runs:
-            mode = pooled(name, [p for p in run.phases if p.name == name])
+            rounds = [p for p in run.phases if p.name == name]
+            mode = pooled(name, rounds)
             per = 1000 / mode.requests
-            print(f"| {run.label} | {name} | {mode.appliance_s * per:.2f} | "
-                  f"{mode.off_loop_s * per:.2f} | {mode.api_server_s * per:.2f} | "
+            median = statistics.median(p.appliance_s * 1000 / p.requests for p in rounds)
+            print(f"| {run.label} | {name} | {mode.appliance_s * per:.2f} | {median:.2f} | "
+                  f"{(mode.appliance_s + mode.api_server_s) * per:.2f} | "
                   f"{_ratio(mode.appliance_s, mode.api_server_s)} | "
-                  f"{_ratio(mode.appliance_s / mode.requests, first.appliance_s / first.requests)}x |")
+                  f"{_ratio(mode.appliance_s, first.appliance_s)}x | "
+                  f"{mode.off_loop_s * 1000 / mode.wall_s:.2f} |")
+    for run in runs:
+        idle = sum(i.off_loop_per_s for i in run.idles) / len(run.idles)
+        print(f"| {run.label} | idle | | | | | | {idle * 1000:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
