@@ -1,7 +1,7 @@
 """What the appliance costs next to vLLM's own API server, on the real worker, in one run.
 
     python -m load.bench_cpu [--requests 48] [--concurrency 8] [--tokens 32] [--rounds 2]
-                             [--compare-resume | --baseline CHECKOUT]
+                             [--compare-resume | --baseline CHECKOUT [--baseline-first]]
 
 Starts `chat-appliance serve` with the real vLLM CPU worker, then sends the same closed-loop
 load through the appliance, streaming and not, and reads the CPU seconds each process used
@@ -26,7 +26,11 @@ their rounds alternate, and a table each shows what keeping a request resumable 
 
 With --baseline CHECKOUT the other appliance is another checkout's code (say main's: `git
 worktree add /tmp/base main`, with its .engine-venv and .models linked as install.sh does),
-run by this venv's interpreter: a change's cost, measured side by side in one run.
+run by this venv's interpreter: a change's cost, measured side by side in one run. The two
+slots are not alike: on the shared 2-core test box, in two runs with the checkouts swapped, the
+appliance started first cost 8-36% more CPU per request and its EngineCore 5-18% more,
+whichever code it ran; so run it twice, the second time with --baseline-first, and take the
+two runs' ratios together.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="an appliance with resume off next to the default one")
     other.add_argument("--baseline", type=Path, metavar="CHECKOUT",
                        help="another checkout's appliance next to this tree's")
+    parser.add_argument("--baseline-first", action="store_true",
+                        help="start the baseline first, in the slot this tree had")
     return parser.parse_args(argv)
 
 
@@ -209,8 +215,10 @@ def appliances(args: argparse.Namespace) -> list[tuple[str, Path, dict[str, str]
     if args.compare_resume:
         return [(label, ROOT, settings) for label, settings in CONFIGS.items()]
     if args.baseline is not None:
-        return [(f"this tree ({ROOT})", ROOT, {}),
-                (f"baseline ({args.baseline.resolve()})", args.baseline.resolve(), {})]
+        base = args.baseline.resolve()
+        this: tuple[str, Path, dict[str, str]] = (f"this tree ({ROOT})", ROOT, {})
+        other: tuple[str, Path, dict[str, str]] = (f"baseline ({base})", base, {})
+        return [other, this] if args.baseline_first else [this, other]
     return [("default", ROOT, {})]
 
 
