@@ -73,6 +73,7 @@ def _settings_or_exit() -> Settings:
 
 
 def _serve(_: argparse.Namespace) -> int:
+    from appliance.upstream import loop_factory
     from supervisor import logs
     from supervisor.doctor import preflight
     from supervisor.doctor.report import one_line
@@ -86,17 +87,8 @@ def _serve(_: argparse.Namespace) -> int:
     if refusal is not None:
         print(f"chat-appliance: cannot start: {one_line(refusal)}", file=sys.stderr)
         return EXIT_CONFIG
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(serve(settings))
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where installed (it halves the event loop's share of each proxied request)."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def _doctor(args: argparse.Namespace) -> int:

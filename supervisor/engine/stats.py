@@ -16,8 +16,9 @@ _WANTED = {
     Metric.ITERATION_TOKENS_COUNT: "iterations",
     Metric.PREEMPTIONS: "preemptions",
 }
-# Only the wanted series' lines: the worker's page is ~60 KB (600 lines, mostly histogram
-# buckets) and a pattern that starts with a literal is searched for, not tried at each line.
+# Only the wanted series' lines. The probe asks for those alone (METRICS_PATH, ~1.3 KB), but a
+# whole page (~65 KB, 600 lines, mostly histogram buckets) reads the same: a pattern that starts
+# with a literal is searched for, not tried at each line.
 _SAMPLE = re.compile("\n(" + "|".join(re.escape(name) for name in _WANTED) + ")"
                      r"(?:\{[^}\n]*\})?[ \t]+([-+0-9.eEinfNa]+)")
 

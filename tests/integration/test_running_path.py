@@ -14,6 +14,8 @@ import openai
 import psutil
 import pytest
 
+from appliance.fences.vllm import METRICS_PATH, Metric
+from supervisor.engine.stats import parse_engine_stats
 from supervisor.engine.worker import session_members
 from tests.integration.harness import Appliance, long_stream, running_appliance, worker_tree
 from tests.metrics_text import samples, value
@@ -91,6 +93,20 @@ def test_health_reports_the_worker(appliance: Appliance) -> None:
     assert detail["pid"] and worker_tree(detail["pid"])
     assert detail["restarts"] >= 0 and detail["uptime_s"] >= 0
     assert httpx.get(f"{appliance.url}/livez", timeout=5).status_code == 200
+
+
+def test_the_progress_watch_reads_its_series_and_only_those_from_the_worker(
+        appliance: Appliance) -> None:
+    """The watch reads METRICS_PATH each second of work: the real worker answers it with every
+    series progress needs, as its whole page has them, and with no other series."""
+    page = samples(appliance.engine_get("/metrics").text)
+    answer = appliance.engine_get(METRICS_PATH)
+    assert answer.status_code == 200
+    series = samples(answer.text)
+    assert {name for name, _ in series} == set(Metric)
+    assert set(series) <= set(page)
+    assert len(answer.content) * 10 < len(appliance.engine_get("/metrics").content)
+    assert parse_engine_stats(answer.text).prompt_tokens > 0  # the boot's canary was counted
 
 
 def test_the_worker_listens_only_on_its_private_unix_socket(appliance: Appliance) -> None:

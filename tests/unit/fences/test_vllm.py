@@ -163,6 +163,19 @@ def test_the_metrics_we_read_are_ones_vllm_exports() -> None:
                      f"vllm/v1/metrics registers {name}")
 
 
+def test_the_metrics_path_reaches_the_app_that_renders_only_the_series_named() -> None:
+    """METRICS_PATH passes vLLM's FastAPI /metrics route (the whole page) for its mount of
+    prometheus_client's app, which renders only the `name[]` series (a real worker answers it:
+    tests/integration/test_running_path.py)."""
+    mount = engine_sources("vllm/entrypoints/serve/instrumentator/metrics.py")
+    VLLM.require('Mount("/metrics", make_asgi_app(' in mount
+                 and 're.compile("^/metrics(?P<path>.*)$")' in mount,
+                 "vLLM mounts prometheus_client's app at /metrics, for every path under it")
+    exposition = engine_sources("prometheus_client/exposition.py")
+    VLLM.require("if 'name[]' in params:" in exposition and ".restricted_registry(" in exposition,
+                 "prometheus_client's app renders only the series named by name[]")
+
+
 def test_each_boot_phase_opens_on_a_line_the_worker_still_logs() -> None:
     """A reworded line costs a phase of the boot display, never the boot: said here, not there."""
     sources = engine_sources("vllm/**/*.py") + engine_sources("uvicorn/**/*.py")
