@@ -143,11 +143,12 @@ def start(workdir: Path, engine_port: int | None = None,
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_ENGINE__PORT": str(engine_port or free_port()),
-        "CHAT_APPLIANCE_ENGINE__LISTEN": "unix" if engine_port is None else "tcp",
         "CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN": "2048",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "PYTHONPATH": str(root),
     } | (settings or {})
+    if engine_port is not None:  # else its default, a Unix socket (a baseline from before
+        env["CHAT_APPLIANCE_ENGINE__LISTEN"] = "tcp"  # a48c0a0 knows no such setting: TCP)
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "appliance.log"
     with log_path.open("wb") as log:
