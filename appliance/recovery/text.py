@@ -4,7 +4,8 @@ vLLM's Responses and Anthropic streams cannot carry their token ids (`return_tok
 chat and completions field). So on the way to the client the record keeps the text of each
 delta event as the worker escaped it in JSON (the bytes between its quotes, found with two
 substring searches and appended; decoded only after a fault), and the protocol's subclass
-parses the stream's few other events for what continuing it takes (ids, indices, the head).
+reads the stream's few other events by name, parsing the handful whose data continuing takes
+(ids, indices, the head).
 
 After a fault, `prepare` asks the new worker for the prompt's ids and the sampling parameters
 generation used (the protocol's render route renders a body exactly as generating it does, and
@@ -36,6 +37,7 @@ from appliance.sse import Events
 
 log = structlog.get_logger("appliance.recovery")
 
+_EVENT = b"event: "
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _TOKENIZE = "/tokenize"
@@ -110,9 +112,9 @@ class TextRecord(Record):
             if start >= 0 and end >= 0:
                 self._sent += event[start + len(self.text_key):end]
                 return event
-        data = event.find(_DATA)
-        if data >= 0:
-            self.read(msgspec.json.decode(event[data + len(_DATA):]))
+        if event.startswith(_EVENT):
+            name = event.find(b"\n")
+            self.read(event[len(_EVENT):name].decode(), event[name + 1 + len(_DATA):])
         return event
 
     @property
@@ -191,8 +193,9 @@ class TextRecord(Record):
         """Whether the stream's head went to the client: the continuation goes on from it."""
         raise NotImplementedError
 
-    def read(self, data: Any) -> None:
-        """An event of the worker's stream other than a text delta, decoded."""
+    def read(self, name: str, data: bytes) -> None:
+        """An event of the worker's stream other than a text delta: its name and its data
+        (JSON, decoded only where the record needs what it says)."""
         raise NotImplementedError
 
     def seam(self, last: bytes) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from appliance.apis.shape import sse_event
 from appliance.fences.vllm import MESSAGES_RENDER
 from appliance.recovery.text import TextRecord
@@ -56,16 +58,16 @@ class MessagesRecord(TextRecord):
     def opened(self) -> bool:
         return self._started
 
-    def read(self, data: Any) -> None:
-        kind = data.get("type")
-        if kind == "message_start":
+    def read(self, name: str, data: bytes) -> None:
+        if name == "message_start":
             self._started = True
-        elif kind == "content_block_start":
-            self.plain &= data["content_block"].get("type") == "text" and self._block is None
-            self._block = data["index"]
-        elif kind in ("content_block_stop", "message_delta"):
+        elif name == "content_block_start":
+            started = msgspec.json.decode(data)
+            self.plain &= started["content_block"].get("type") == "text" and self._block is None
+            self._block = started["index"]
+        elif name in ("content_block_stop", "message_delta"):
             self.closing = True
-        elif kind == "message_stop":
+        elif name == "message_stop":
             self.finished = True
         else:
             self.plain = False  # thinking, a tool call, the worker's own error

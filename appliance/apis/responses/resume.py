@@ -14,7 +14,8 @@ continues a `previous_response_id` (the stateless render refuses it). Those are 
 the client has received nothing, and otherwise end with the engine_lost error as before.
 
 A stored response lives in the worker's memory: the continuation is not stored, so retrieving
-a resumed response's id answers 404 response_not_found, as for any response a restart lost.
+a resumed response's id answers 404 response_lost_in_restart, as for any response a restart
+lost (appliance/apis/responses/response_ids.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
+
+import msgspec
 
 from appliance.apis.shape import sse_event
 from appliance.fences.vllm import RESPONSES_RENDER
@@ -72,22 +75,23 @@ class ResponsesRecord(TextRecord):
     def opened(self) -> bool:
         return self._response is not None
 
-    def read(self, data: Any) -> None:
-        kind = data.get("type")
-        if kind == "response.created":
-            self._response = data["response"]
-        elif kind == "response.output_item.added":
-            self.plain &= data["item"].get("type") == "message" and self._item is None
-            self._item, self._output_index = data["item"]["id"], data["output_index"]
-        elif kind == "response.content_part.added":
-            self.plain &= data["part"].get("type") == "output_text"
-            self._content_index = data["content_index"]
-        elif kind in ("response.output_text.done", "response.content_part.done",
+    def read(self, name: str, data: bytes) -> None:
+        if name == "response.created":
+            self._response = msgspec.json.decode(data)["response"]
+        elif name == "response.output_item.added":
+            added = msgspec.json.decode(data)
+            self.plain &= added["item"].get("type") == "message" and self._item is None
+            self._item, self._output_index = added["item"]["id"], added["output_index"]
+        elif name == "response.content_part.added":
+            added = msgspec.json.decode(data)
+            self.plain &= added["part"].get("type") == "output_text"
+            self._content_index = added["content_index"]
+        elif name in ("response.output_text.done", "response.content_part.done",
                       "response.output_item.done"):
             self.closing = True
-        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+        elif name in ("response.completed", "response.incomplete", "response.failed"):
             self.finished = True
-        elif kind != "response.in_progress":
+        elif name != "response.in_progress":
             self.plain = False  # reasoning, a tool call, a refusal: the worker's state
 
     def seam(self, last: bytes) -> None:
