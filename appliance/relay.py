@@ -21,6 +21,7 @@ from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
+from appliance.apis.anthropic.api import ANTHROPIC
 from appliance.apis.shape import ErrorShape, StreamSoFar, upstream_error
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
@@ -43,7 +44,7 @@ log = structlog.get_logger("appliance.relay")
 
 _NO_CACHE = (b"cache-control", b"no-cache")
 _ENGINE_DEAD = ENGINE_DEAD_MESSAGE.encode()
-_CONVERTED_DEAD = ANTHROPIC_ENGINE_DEAD.encode()  # the same, as an Anthropic stream says it
+_CONVERTED_DEAD = ANTHROPIC_ENGINE_DEAD.encode()
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class Relay:
         self._request_id = request_id
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = outbound.shape
+        # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
+        # in its converter's words (one search per chunk either way).
+        self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
         self._so_far = StreamSoFar(outbound.payload)  # what a stream's ending must know
         self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
@@ -282,8 +286,8 @@ class Relay:
         while True:
             try:
                 async for chunk in reply.chunks():
-                    if _ENGINE_DEAD in chunk or _CONVERTED_DEAD in chunk:
-                        raise engine_died()  # the worker's own error event: its engine died
+                    if self._dead in chunk:  # the worker's own error event: its engine died
+                        raise engine_died()
                     yield self._record.take(chunk) if self._record is not None else chunk
                 return
             except ApiError as error:
@@ -375,8 +379,7 @@ class Relay:
     def _write_direct(self, chunk: bytes) -> bool:
         link = self._link
         assert link is not None
-        if self._sending or _ENGINE_DEAD in chunk or _CONVERTED_DEAD in chunk \
-                or not link.writable():
+        if self._sending or self._dead in chunk or not link.writable():
             return False  # the loop takes it (an engine's death is its to handle)
         if self._record is not None:
             chunk = self._record.take(chunk)
