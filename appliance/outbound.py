@@ -18,7 +18,7 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import WorkerRoute
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
-from appliance.recovery.stream import StreamRecord
+from appliance.recovery.stream import Record
 
 if TYPE_CHECKING:
     from appliance.gate.gate import Gate
@@ -63,7 +63,7 @@ class Outbound(Protocol):
     def refine(self) -> Refine | None: ...
 
     @property
-    def record(self) -> StreamRecord | None: ...  # what its stream keeps to go on after a fault
+    def record(self) -> Record | None: ...  # what its stream keeps to go on after a fault
 
     def body(self) -> bytes | None: ...
 

@@ -13,18 +13,21 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import structlog
 from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
+from appliance.apis.anthropic.api import ANTHROPIC
 from appliance.apis.shape import ErrorShape, StreamSoFar, upstream_error
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
 from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
 from appliance.fences.uvicorn import ClientLink, client_link
-from appliance.fences.vllm import ENGINE_DEAD_MESSAGE
+from appliance.fences.vllm import ANTHROPIC_ENGINE_DEAD, ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound, PassThrough
@@ -41,6 +44,7 @@ log = structlog.get_logger("appliance.relay")
 
 _NO_CACHE = (b"cache-control", b"no-cache")
 _ENGINE_DEAD = ENGINE_DEAD_MESSAGE.encode()
+_CONVERTED_DEAD = ANTHROPIC_ENGINE_DEAD.encode()
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,9 @@ class Relay:
         self._request_id = request_id
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = outbound.shape
+        # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
+        # in its converter's words (one search per chunk either way).
+        self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
         self._so_far = StreamSoFar(outbound.payload)  # what a stream's ending must know
         self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
@@ -281,7 +288,7 @@ class Relay:
         while True:
             try:
                 async for chunk in reply.chunks():
-                    if _ENGINE_DEAD in chunk:  # the worker's own error event: its engine died
+                    if self._dead in chunk:  # the worker's own error event: its engine died
                         raise engine_died()
                     yield self._record.take(chunk) if self._record is not None else chunk
                 return
@@ -295,11 +302,17 @@ class Relay:
                 resumed = self._relayed_any
                 await self._recover(error, serial, "resumed" if resumed else "replayed")
                 assert self._original is not None
-                request = (self._record.continuation() if resumed and self._record is not None
-                           else self._original)
+                request = self._original
+                if resumed and self._record is not None:
+                    await self._record.prepare(self._ask_worker)
+                    request = self._record.continuation()
             serial = self._deps.engine.serial
             reply = await self._send(request, meter)
             self._direct(reply, meter)
+
+    async def _ask_worker(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """What a record asks of the worker now serving to prepare its continuation."""
+        return await self._deps.upstream.fetch("POST", path, msgspec.json.encode(payload))
 
     def _outlives(self, error: ApiError) -> bool:
         """Whether the request may outlive this failure: an engine fault, with resume on."""
@@ -368,7 +381,7 @@ class Relay:
     def _write_direct(self, chunk: bytes) -> bool:
         link = self._link
         assert link is not None
-        if self._sending or _ENGINE_DEAD in chunk or not link.writable():
+        if self._sending or self._dead in chunk or not link.writable():
             return False  # the loop takes it (an engine's death is its to handle)
         if self._record is not None:
             chunk = self._record.take(chunk)

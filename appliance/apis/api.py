@@ -20,7 +20,7 @@ from appliance.apis.counting import Limits, PromptCounter
 from appliance.apis.shape import ErrorShape
 from appliance.policy import MediaPart
 from appliance.policy.fanout import check_conversation, check_message_count, check_prompts
-from appliance.recovery.stream import StreamRecord
+from appliance.recovery.stream import Record
 from appliance.settings import PolicySettings, Settings
 
 
@@ -74,7 +74,7 @@ class GenerationApi:
         """Whether count_prompt's count is the whole request's prompt, to charge it by."""
         return True
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings) -> StreamRecord | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings) -> Record | None:
         """What lets its stream continue on a new worker after an engine fault, or None: the
         request is then sent again only while its client has received nothing of it."""
         return None

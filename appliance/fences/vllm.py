@@ -146,6 +146,16 @@ PLATFORMS_MODULE = "vllm.platforms"
 # What vLLM's API server answers for a request in flight when its engine core died (a 500, or a
 # stream's error event), before it exits (vllm/v1/engine/exceptions.py, EngineDeadError).
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
+# What vLLM's Anthropic stream writes instead (vllm/entrypoints/anthropic/serving.py): the chat
+# stream under it ends with that error event, which its converter fails to read as a chunk, so
+# it writes an `internal_error` event of its own quoting pydantic's message, whose excerpt of
+# the event starts with ENGINE_DEAD_MESSAGE's first letters; the server then exits.
+ANTHROPIC_ENGINE_DEAD = "input_value={'error': {'message': 'En"
+# The stateless routes that render a body's prompt exactly as generating it would, with the
+# sampling parameters it resolves (vllm/entrypoints/scale_out/render/): a Responses or
+# Anthropic stream is continued from them.
+RESPONSES_RENDER = "/v1/responses/render"
+MESSAGES_RENDER = "/v1/messages/render"
 
 
 class TokenIds:

@@ -32,7 +32,7 @@ from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
-from appliance.recovery.stream import StreamRecord
+from appliance.recovery.stream import Record
 from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
@@ -58,7 +58,7 @@ class Vetted(StreamAsked):
     usage_added: bool = False  # the stream's usage event was asked for the meter: strip it
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
     prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
-    record: StreamRecord | None = None  # what its stream keeps to go on after an engine fault
+    record: Record | None = None  # what its stream keeps to go on after an engine fault
     added: bytes = b""  # fields added to the raw body, where nothing else changed it
 
     @property
@@ -136,13 +136,14 @@ class Gate:
         return vetted
 
     def _keep_record(self, vetted: Vetted) -> None:
-        """A stream that can be continued after an engine fault asks for its token ids."""
+        """A stream that can be continued after an engine fault asks for its token ids (where
+        its record continues from them)."""
         record = vetted.api.stream_record(vetted.payload, self._settings)
         if record is None:
             return
         vetted.record = record
         payload = vetted.payload
-        if payload.get(TokenIds.REQUEST) is True:
+        if not record.token_ids or payload.get(TokenIds.REQUEST) is True:
             return
         # Appended to the bytes as sent where it is a new field of a body nothing else changed:
         # an encode of the whole body per stream is what it would otherwise cost.

@@ -20,9 +20,9 @@ generates them again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -53,6 +53,37 @@ class Continuation:
     body: bytes | None  # None: no body (a pass-through)
 
 
+# A JSON request to the worker now serving (route, payload): its status and body.
+WorkerCall = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
+
+
+class Record:
+    """What the relay asks of a stream's record, whatever the protocol keeps to continue it."""
+
+    token_ids: ClassVar[bool] = True  # the gate asks the worker for the stream's token ids
+    finished = False  # the stream had its last token: an end is all it still needs
+
+    def take(self, chunk: bytes) -> bytes:
+        """The worker's bytes as the client gets them, what a continuation needs kept."""
+        raise NotImplementedError
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the stream can go on from what was kept."""
+        raise NotImplementedError
+
+    async def prepare(self, worker: WorkerCall) -> None:
+        """What the continuation needs from the new worker, asked before `continuation()`."""
+
+    def continuation(self) -> Continuation:
+        """The request for the rest; what follows is translated into the client's stream."""
+        raise NotImplementedError
+
+    def tail(self) -> bytes:
+        """The end of a stream whose last token had come when its engine was lost."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Head:
     """What every event of the stream repeats, from its first one."""
@@ -62,7 +93,7 @@ class Head:
     model: str
 
 
-class StreamRecord:
+class StreamRecord(Record):
     """A chat or completions stream's record; subclasses say how their protocol reads."""
 
     def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:

@@ -5,6 +5,10 @@ as uninterrupted ones, and requests the client had nothing of yet are sent again
 Faults: kill -9 of the worker's API server (its connection breaks), kill -9 of EngineCore (the
 server answers with its own error event, then exits) and SIGSTOP of EngineCore (a hang: the
 supervisor declares it and kills the worker).
+
+Responses and Anthropic streams carry no token ids: they go on from their text, tokenized again
+on the new worker (appliance/recovery/text.py), and read as the worker's own uninterrupted
+stream but for the ids and times each run draws anew.
 """
 
 from __future__ import annotations
@@ -78,7 +82,14 @@ def read_stream(appliance: Appliance, path: str, body: dict[str, Any], events: l
 
 
 def text_of(event: Event | str) -> str:
-    if not isinstance(event, dict) or not event.get("choices"):
+    """An event's text, in whichever protocol: chat, completions, Responses, Anthropic."""
+    if not isinstance(event, dict):
+        return ""
+    if event.get("type") == "response.output_text.delta":
+        return str(event["delta"])
+    if event.get("type") == "content_block_delta":
+        return str(event["delta"].get("text") or "")
+    if not event.get("choices"):
         return ""
     choice = event["choices"][0]
     return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
@@ -188,3 +199,48 @@ def test_a_request_the_client_had_nothing_of_is_sent_again_on_every_route(
     plain = httpx.post(f"{appliance.url}{path}", json=body, timeout=300)
     assert text(faulted.json()) == text(plain.json()) and text(plain.json())
     assert outlived(appliance, "replayed") == before + 1
+
+
+def normalized(events: list[Event | str], names: dict[str, str]) -> list[Event | str]:
+    """The events with each id and creation time as the n-th one met: two runs compare equal
+    where only what each run draws anew differs."""
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: (names.setdefault(v, f"id{len(names)}") if k in ("id", "item_id")
+                        else 0 if k == "created_at" else walk(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+    return [walk(event) for event in events]
+
+
+def test_a_greedy_responses_stream_killed_mid_way_reads_as_an_uninterrupted_one(
+        appliance: Appliance, model: str) -> None:
+    """Every event as the worker would have written it: the same item, sequence numbers on
+    from the last, the same text and end, status and usage of the whole answer."""
+    body = {"model": model, "input": "Write a story about a storm.", "max_output_tokens": 60,
+            "temperature": 0, "stream": True}
+    before = outlived(appliance, "resumed")
+    faulted, plain = faulted_and_plain(appliance, "/v1/responses", body,
+                                       lambda: kill_server(appliance))
+    assert [e["sequence_number"] for e in faulted if isinstance(e, dict)] == list(
+        range(len(faulted)))
+    assert "".join(map(text_of, faulted)) == "".join(map(text_of, plain))
+    assert normalized(faulted, {}) == normalized(plain, {})
+    assert outlived(appliance, "resumed") == before + 1
+    # The response was stored by the worker that was lost: its id is gone with it.
+    response_id = faulted[0]["response"]["id"] if isinstance(faulted[0], dict) else ""
+    lost = httpx.get(f"{appliance.url}/v1/responses/{response_id}", timeout=30)
+    assert lost.status_code == 404 and lost.json()["error"]["code"] == "response_lost_in_restart"
+
+
+def test_a_messages_stream_outlives_its_engine_core(appliance: Appliance, model: str) -> None:
+    """EngineCore killed: vLLM's Anthropic stream writes its own internal_error event, then its
+    server exits; the client sees neither, and one message to its normal end."""
+    body = {"model": model, "messages": STORY, "max_tokens": 60, "temperature": 0,
+            "stream": True}
+    faulted, plain = faulted_and_plain(appliance, "/v1/messages", body,
+                                       lambda: kill_engine_core(appliance))
+    assert not [e for e in faulted if isinstance(e, dict) and e.get("type") == "error"]
+    assert "".join(map(text_of, faulted)) == "".join(map(text_of, plain))
+    assert normalized(faulted, {}) == normalized(plain, {})

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
+from appliance.apis.anthropic.resume import MessagesRecord, plain_message
 from appliance.apis.api import ConversationApi, GenerationApi
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.shape import StreamSoFar, sse_event
@@ -104,6 +105,14 @@ class MessagesApi(ConversationApi):
         messages = body.get("messages")
         turns = (len(messages) if isinstance(messages, list) else 0) + 1  # and the system
         return chat_bound(body, raw_len, limits, turns, multimodal)
+
+    def stream_record(self, body: Mapping[str, Any], settings: Settings
+                      ) -> MessagesRecord | None:
+        """A plain text stream, its thinking not parsed apart (the parser's state is the
+        worker's): see appliance/apis/anthropic/resume.py."""
+        if settings.engine.reasoning_parser or self.media(body) or not plain_message(body):
+            return None
+        return MessagesRecord(body)
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:

@@ -13,8 +13,10 @@ from appliance import policy
 from appliance.apis.api import GenerationApi, WorkerRoute
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.openai.api import OpenAIShape
+from appliance.apis.responses.resume import ResponsesRecord, plain_response
 from appliance.apis.shape import StreamSoFar, sse_event
 from appliance.errors import ApiError, BadRequest
+from appliance.fences.vllm import RESPONSES_RENDER
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults, tools_active
 from appliance.settings import Settings
@@ -91,11 +93,19 @@ class ResponsesApi(GenerationApi):
         turns = (len(items) if isinstance(items, list) else 1) + 1  # and the instructions
         return chat_bound(body, raw_len, limits, turns, multimodal)
 
+    def stream_record(self, body: Mapping[str, Any], settings: Settings
+                      ) -> ResponsesRecord | None:
+        """A plain text stream, its reasoning not parsed apart (the parser's state is the
+        worker's): see appliance/apis/responses/resume.py."""
+        if settings.engine.reasoning_parser or self.media(body) or not plain_response(body):
+            return None
+        return ResponsesRecord(body)
+
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:
         # The render refuses a budget above the window, as generating would: leave it out.
         rendered = {k: v for k, v in body.items() if k not in self.budget_fields}
-        return await counter.render("/v1/responses/render", rendered)
+        return await counter.render(RESPONSES_RENDER, rendered)
 
 
 RESPONSES_CREATE = ResponsesApi()

@@ -533,3 +533,61 @@ async def test_a_suspects_isolation_ends_after_its_window_though_its_answer_has_
                   engine=engine, isolation_s=0.05)
     await setup.run(chat())
     assert setup.client.status == 200 and seen == [False]
+
+
+class Preparing(Workers):
+    """Successive workers; the next one also answers what a record asks before continuing."""
+
+    def __init__(self, engine: FakeEngine, asked: Any, *answers: Reply | Exception) -> None:
+        super().__init__(engine, *answers)
+        self.asked = asked
+
+    async def fetch(self, method: str, path: str, body: bytes | None = None,
+                    timeout_s: float = 30.0) -> tuple[int, bytes]:
+        return await self.asked(path, json.loads(body or b"{}"))  # type: ignore[no-any-return]
+
+
+async def test_a_responses_stream_goes_on_from_its_text_as_the_same_stream() -> None:
+    """Its worker killed: the new one renders the prompt and tokenizes the text sent."""
+    from appliance.apis.responses.api import RESPONSES_CREATE
+    from tests.unit.appliance.apis.test_responses_resume import STREAM, rest_of
+    from tests.unit.appliance.recovery.test_text import BODY, GREEDY, PROMPT
+    from tests.unit.appliance.recovery.test_text import Worker as Asked
+
+    vetted = Vetted(RESPONSES_CREATE, dict(BODY), json.dumps(BODY).encode())
+    vetted.record = RESPONSES_CREATE.stream_record(vetted.payload, Settings())
+    engine = FakeEngine("http://127.0.0.1:9")
+    asked = Asked(PROMPT, GREEDY, tokens=[7] * 10)
+    setup = Setup(Preparing(engine, asked, Broken(STREAM[:14], good=14),
+                            Reply(200, rest_of(10))), resume=True, engine=engine)
+    await setup.run(vetted)
+    assert setup.client.body == b"".join(STREAM)
+    assert [path for path, _ in asked.asked] == ["/v1/responses/render", "/tokenize"]
+    (_, path, body) = setup.worker.sent[1]
+    assert path == "/v1/completions" and json.loads(body or b"")["prompt"] == PROMPT + [7] * 10
+    assert setup.count("appliance_engine_faults_outlived_total", route=ROUTE, how="resumed") == 1
+
+
+async def test_an_anthropic_streams_word_of_its_dead_engine_is_a_fault_never_relayed() -> None:
+    """vLLM's converter writes its own internal_error event (captured) and ends the stream."""
+    from tests.unit.appliance.apis.test_anthropic_resume import BODY, PROMPT, STREAM, rest_of
+    from tests.unit.appliance.recovery.test_text import GREEDY
+    from tests.unit.appliance.recovery.test_text import Worker as Asked
+
+    dead = (b'event: error\ndata: {"type":"error","error":{"type":"internal_error","message":'
+            b'"2 validation errors for ChatCompletionStreamResponse\\nmodel\\n  Field required '
+            b"[type=missing, input_value={'error': {'message': 'En...am': None, 'code': 500}}, "
+            b'input_type=dict]"}}\n\n')
+
+    async def dying(index: int) -> None:
+        if index == 12:
+            restart(engine)
+
+    vetted = Vetted(MESSAGES, dict(BODY), json.dumps(BODY).encode())
+    vetted.record = MESSAGES.stream_record(vetted.payload, Settings())
+    engine = FakeEngine("http://127.0.0.1:9")
+    first = Reply(200, [*STREAM[:12], dead], dying)
+    setup = Setup(Preparing(engine, Asked(PROMPT, GREEDY, tokens=[7] * 10), first,
+                            Reply(200, rest_of(10))), resume=True, engine=engine)
+    await setup.run(vetted)
+    assert setup.client.body == b"".join(STREAM)  # no error event, no seam

@@ -53,6 +53,18 @@ system_utils = importlib.import_module(contract["mp_module"])
 facts["mp_function"] = callable(getattr(system_utils, contract["mp_function"], None))
 platform = importlib.import_module(contract["platforms"]).current_platform
 facts["is_cpu"] = callable(getattr(platform, "is_cpu", None))
+# The Anthropic stream's reading of the chat stream's error event for a dead engine core, as its
+# converter reads it (a chunk) and writes the failure (sanitized).
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm.v1.engine.exceptions import EngineDeadError
+dead = json.dumps({"error": {"message": str(EngineDeadError()), "type": "InternalServerError",
+                             "param": None, "code": 500}})
+try:
+    ChatCompletionStreamResponse.model_validate_json(dead)
+    facts["anthropic_dead"] = None
+except Exception as e:
+    facts["anthropic_dead"] = sanitize_message(str(e))
 print(json.dumps(facts))
 """
 
@@ -200,3 +212,22 @@ def test_chat_and_completions_streams_can_carry_their_token_ids() -> None:
     for name in (vllm.TokenIds.PROMPT, vllm.TokenIds.GENERATED):
         VLLM.require(re.search(rf"^\s+{name}: ", sources, re.MULTILINE) is not None,
                      f"vLLM's stream events declare {name}")
+
+
+def test_an_anthropic_stream_tells_of_its_dead_engine_core_in_the_words_recovery_looks_for() -> None:
+    """The relay reads this event as the engine's death (appliance/relay.py), never relays it."""
+    converter = engine_sources("vllm/entrypoints/anthropic/serving.py")
+    VLLM.require("ChatCompletionStreamResponse.model_validate_json" in converter
+                 and 'type="internal_error", message=sanitize_message(str(e))' in converter,
+                 "the Anthropic stream converter writes a chunk it cannot read as internal_error")
+    said = engine_facts()["anthropic_dead"]
+    VLLM.require(said is not None and vllm.ANTHROPIC_ENGINE_DEAD in said,
+                 "the converter's message for a dead engine's error event holds "
+                 "ANTHROPIC_ENGINE_DEAD", said)
+
+
+def test_responses_and_messages_bodies_render_as_generating_them_would() -> None:
+    """What a resumed Responses or Anthropic stream continues from (appliance/recovery/text.py)."""
+    routes = engine_sources("vllm/entrypoints/scale_out/render/api_router.py")
+    for path in (vllm.RESPONSES_RENDER, vllm.MESSAGES_RENDER):
+        VLLM.require(f'"{path}"' in routes, f"vLLM's render router serves {path}")
