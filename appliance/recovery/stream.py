@@ -84,15 +84,20 @@ class StreamRecord:
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, the ids recorded on the way."""
+        events = self._events.whole(chunk)
         if self._steady:
-            return self._token_events(self._events.whole(chunk))
-        if not self._events.partial and chunk.endswith(_END) and chunk.count(_END) == 1:
-            return self._event(chunk)  # one whole event: the common case
-        return self._events.each(chunk, self._event)
+            return self._token_events(events)
+        out: list[bytes] = []
+        at = 0
+        while at < len(events) and not self._steady:  # one at a time until the first is read
+            end = events.find(_END, at) + len(_END)
+            out.append(self._event(events[at:end]))
+            at = end
+        if at < len(events):  # the rest of the read that brought the stream's first event
+            out.append(self._token_events(events[at:]))
+        return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
-        if self._steady:
-            return self._token_event(event)
         if not event.startswith(_DATA) or event.startswith(_DONE):
             return event
         if self._continued:
