@@ -15,12 +15,24 @@ class Events:
     def __init__(self) -> None:
         self.partial = b""
 
+    def whole(self, chunk: bytes) -> bytes:
+        """The whole events the chunk completes, as they came; the start of the next is kept."""
+        if self.partial:
+            chunk, self.partial = self.partial + chunk, b""
+        if chunk.endswith(END):  # a read that ends where an event does: the common case
+            return chunk
+        cut = chunk.rfind(END) + len(END)
+        if cut < len(END):
+            self.partial = chunk
+            return b""
+        self.partial = chunk[cut:]
+        return chunk[:cut]
+
     def each(self, chunk: bytes, event: Callable[[bytes], bytes]) -> bytes:
         """`event` applied to each whole event the chunk completes, the results joined."""
-        data = self.partial + chunk
-        cut = data.rfind(END) + len(END)
-        if cut < len(END):
-            self.partial = data
-            return b""
-        self.partial = data[cut:]
-        return b"".join(event(one + END) for one in data[:cut].split(END)[:-1])
+        return per_event(self.whole(chunk), event)
+
+
+def per_event(events: bytes, event: Callable[[bytes], bytes]) -> bytes:
+    """`event` applied to each of these whole events, the results joined."""
+    return b"".join(event(one + END) for one in events.split(END)[:-1])

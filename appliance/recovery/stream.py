@@ -28,7 +28,7 @@ import msgspec
 
 from appliance.fences.vllm import TokenIds
 from appliance.sse import END as _END
-from appliance.sse import Events
+from appliance.sse import Events, per_event
 
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
@@ -43,6 +43,7 @@ def _key(name: str) -> bytes:
 
 _PROMPT_KEY = _key(TokenIds.PROMPT)
 _GENERATED_KEY = _key(TokenIds.GENERATED)
+_NULLED = _GENERATED_KEY[:-1] + _NULL  # the key as the worker writes it without ids
 
 
 @dataclass(frozen=True)
@@ -103,23 +104,31 @@ class StreamRecord(Record):
         self.head: Head | None = None
         self._prompt = b""  # the prompt's ids as the worker wrote them
         self._generated = bytearray()  # the generated ids, comma-separated
-        self._count = 0  # generated ids recorded
-        self._settled = (0, 0)  # (count, bytes) of the ids up to the last event with text
+        self._settled = 0  # bytes of the ids up to the last event with text
         self.finished = False  # an event carried the finish reason: nothing more to generate
         self._continued = False  # events now come from a continuation, to be translated
         self._steady = False  # the first event was read: the rest take the one-pass path
+        # How a token's event without text ends (such an event goes one at a time).
+        self._empty = b"" if self.open_ids is None else self.no_text + self.open_ids
 
     # --- on the way to the client -----------------------------------------------------------
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, the ids recorded on the way."""
-        if not self._events.partial and chunk.endswith(_END) and chunk.count(_END) == 1:
-            return self._event(chunk)  # one whole event: the common case
-        return self._events.each(chunk, self._event)
+        events = self._events.whole(chunk)
+        if self._steady:
+            return self._token_events(events)
+        out: list[bytes] = []
+        at = 0
+        while at < len(events) and not self._steady:  # one at a time until the first is read
+            end = events.find(_END, at) + len(_END)
+            out.append(self._event(events[at:end]))
+            at = end
+        if at < len(events):  # the rest of the read that brought the stream's first event
+            out.append(self._token_events(events[at:]))
+        return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
-        if self._steady:
-            return self._token_event(event)
         if not event.startswith(_DATA) or event.startswith(_DONE):
             return event
         if self._continued:
@@ -140,8 +149,45 @@ class StreamRecord(Record):
                 return b""  # exists only to carry ids
         return event
 
+    def _token_events(self, events: bytes) -> bytes:
+        """The whole events of one read after the first event, in one pass (the hot path: most
+        of a stream): the events vLLM writes for a token with text (ids last, after
+        `open_ids`) have their ids gathered and cut in one split of the read; from the first
+        other one (without text, the last one, the usage event), each goes through
+        _token_event."""
+        open_ids, empty = self.open_ids, self._empty
+        parts = events.split(_GENERATED_KEY)
+        if open_ids is None or len(parts) == 1:
+            return per_event(events, self._token_event)
+        ids: list[bytes] = []
+        kept = [parts[0]]  # the read without its ids, in the pieces around them
+        for i in range(1, len(parts)):
+            before, part = parts[i - 1], parts[i]
+            end = part.find(b"]")
+            if end < 0 or not before.endswith(open_ids) or before.endswith(empty):
+                return self._other_from(events, parts, i, ids, kept)
+            if end:
+                ids.append(part[:end])
+            kept.append(part[end + 1:])
+        self.record(b",".join(ids), True)
+        return events if self._visible else _NULLED.join(kept)
+
+    def _other_from(self, events: bytes, parts: list[bytes], i: int, ids: list[bytes],
+                    kept: list[bytes]) -> bytes:
+        """The read of _token_events whose `i`th ids are in an event it does not know: the
+        events before that one as it cut them, the rest one at a time."""
+        before = parts[i - 1]
+        cut = before.rfind(_END)  # the end of the event before it, if in the same part
+        tail = len(before) - (cut + len(_END) if cut >= 0 else 0)  # the event's own start
+        at = sum(map(len, parts[:i])) + (i - 1) * len(_GENERATED_KEY) - tail
+        if i > 1:  # events with text came before it
+            self.record(b",".join(ids), True)
+        done = _NULLED.join(kept)
+        known = events[:at] if self._visible else done[:len(done) - tail]
+        return known + per_event(events[at:], self._token_event)
+
     def _token_event(self, event: bytes) -> bytes:
-        """An event after the first, in one pass (the hot path: most of a stream)."""
+        """An event after the first that _token_events does not know."""
         start = event.rfind(_GENERATED_KEY)
         if start < 0:  # the usage event, [DONE]: nothing to record or cut
             if _FINISHED in event:
@@ -149,15 +195,8 @@ class StreamRecord(Record):
             return event
         first = start + len(_GENERATED_KEY)
         end = event.find(b"]", first)
-        if end > first:
-            generated = self._generated
-            if generated:
-                generated += b","
-            generated += event[first:end]
-            self._count += event.count(b",", first, end) + 1
         empty = self.no_text in event
-        if not empty:
-            self._settled = (self._count, len(self._generated))
+        self.record(event[first:end] if end > first else b"", not empty)
         if _FINISHED in event:
             self.finished = True
         if self._visible:
@@ -183,12 +222,12 @@ class StreamRecord(Record):
         """Ids generated (digits and commas, possibly none), and whether their event carried
         text: the client holds everything up to such an event."""
         if ids:
-            if self._generated:
-                self._generated += b","
-            self._generated += ids
-            self._count += ids.count(b",") + 1
+            generated = self._generated
+            if generated:
+                generated += b","
+            generated += ids
         if has_text:
-            self._settled = (self._count, len(self._generated))
+            self._settled = len(self._generated)
 
     # --- after a fault ----------------------------------------------------------------------
 
@@ -200,9 +239,8 @@ class StreamRecord(Record):
 
     def continuation(self) -> Continuation:
         """The request for the rest, from the last settled id; what follows is translated."""
-        count, size = self._settled
-        del self._generated[size:]
-        self._count = count
+        del self._generated[self._settled:]
+        count = self.generated_tokens
         self._events = Events()
         self._continued = True
         self._steady = False
@@ -216,7 +254,8 @@ class StreamRecord(Record):
 
     @property
     def generated_tokens(self) -> int:
-        return self._count
+        generated = self._generated  # counted when asked: only after a fault
+        return generated.count(b",") + 1 if generated else 0
 
     def usage(self) -> dict[str, int]:
         """The whole answer's usage, in OpenAI's names and vLLM's order."""
@@ -253,6 +292,10 @@ class StreamRecord(Record):
             self.head = Head(head.id, head.created, head.model or "")
 
     no_text: bytes  # what an event without text for the client holds
+    # What comes just before the ids in vLLM's event for a token, not the last one, of a
+    # plain stream (its choice's fields after the text, in vLLM's order); None: the protocol
+    # has no such event, and each event goes one at a time.
+    open_ids: bytes | None = None
     # Whether such an event (unfinished) exists only because the ids were asked, and is dropped.
     drops_empty = False
 

@@ -209,19 +209,26 @@ class SyntheticWorker:
         """As vLLM: the last token's event says why it finished and carries the fingerprint,
         unless usage was asked, which then comes in an event of its own that carries it. Where
         token ids were asked (`ids`: the prompt's length), each event carries its token's, and
-        the first event the prompt's too."""
+        the first event the prompt's too. Each choice is written as vLLM 0.32 writes it (its
+        fields, their order, the nulls), so that the appliance's one-pass cut of the ids
+        (appliance/recovery/stream.py) is measured on the bytes it meets."""
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i in range(count):
             finish = "length" if i == count - 1 else None
-            delta = ({"index": 0, "delta": {"content": self.word}, "finish_reason": finish}
-                     if chat else {"index": 0, "text": self.word, "finish_reason": finish})
+            # The choice's fields in vLLM's order, ids or null (`"token_ids":null` when not asked).
+            delta: dict[str, Any] = (
+                {"index": 0, "delta": {"content": self.word}, "logprobs": None,
+                 "finish_reason": finish} if chat else
+                {"index": 0, "text": self.word, "logprobs": None, "finish_reason": finish,
+                 "stop_reason": None, "prompt_token_ids": None})
+            if chat and finish:
+                delta["stop_reason"] = None
+            delta["token_ids"] = [1000 + i] if ids is not None else None
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
                      "created": 0, "model": self.model, "choices": [delta], "n": i}
-            if ids is not None:
-                delta["token_ids"] = [1000 + i]
-                if i == 0:
-                    (chunk if chat else delta)["prompt_token_ids"] = [1] * ids
+            if ids is not None and i == 0:
+                (chunk if chat else delta)["prompt_token_ids"] = [1] * ids
             self.generated_tokens += 1
             if finish and usage is None:
                 chunk["system_fingerprint"] = FINGERPRINT

@@ -103,6 +103,7 @@ class ChatRecord(_Continued):
             self.budget_field = "max_tokens"
 
     no_text = b'"delta":{}'
+    open_ids = b',"logprobs":null,"finish_reason":null,'
     drops_empty = True
 
     def translate(self, event: dict[str, Any]) -> bytes:
@@ -135,6 +136,7 @@ class CompletionRecord(_Continued):
     event_object = "text_completion"
 
     no_text = b'"text":""'
+    open_ids = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
 
     def translate(self, event: dict[str, Any]) -> bytes:
         choice = self._continued_choice(event)

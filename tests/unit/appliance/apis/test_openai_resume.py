@@ -138,3 +138,86 @@ def test_streams_whose_state_is_more_than_their_tokens_do_not_resume() -> None:
                   {"response_format": {"type": "json_object"}}, {"echo": True},
                   {"stream_options": {"continuous_usage_stats": True}}, {"stream": False}):
         assert not plain_stream(plain | extra), extra
+
+
+# --- however the reads cut the stream ----------------------------------------------------------
+# After its first event a stream's events are cut a whole read at a time; these check that every
+# way of cutting the worker's bytes into reads gives the client the same bytes and leaves the
+# record where one event at a time leaves it.
+
+USAGE = (b"data: {" + HEAD + b',"choices":[],"usage":{"prompt_tokens":3,"total_tokens":9,'
+         b'"completion_tokens":6}}\n\n')
+DONE = b"data: [DONE]\n\n"
+
+
+def reads(events: list[bytes]) -> list[list[bytes]]:
+    """Every way of cutting the events' bytes into reads: at event boundaries (each subset of
+    them), and at each byte in two reads."""
+    cuts: list[list[bytes]] = []
+    for mask in range(2 ** (len(events) - 1)):
+        groups, group = [], events[0]
+        for i, event in enumerate(events[1:]):
+            if mask >> i & 1:
+                groups.append(group)
+                group = event
+            else:
+                group += event
+        cuts.append([*groups, group])
+    whole = b"".join(events)
+    cuts += [[whole[:at], whole[at:]] for at in range(1, len(whole))]
+    return cuts
+
+
+def fed(record: ChatRecord | CompletionRecord, chunks: list[bytes]) -> bytes:
+    return b"".join(record.take(chunk) for chunk in chunks)
+
+
+def test_every_cut_of_a_chat_stream_reaches_the_client_the_same() -> None:
+    events = [ROLE_IDS, content("Hello", b"19556"), content(" there", b"665,28"), HELD,
+              content("é", b"227"), content("", b""), content("!", b"0", finish="length"),
+              USAGE, DONE]
+    expected = (ROLE + content("Hello", None) + content(" there", None) + content("é", None)
+                + content("", None) + content("!", None, finish="length") + USAGE + DONE)
+    for chunks in reads(events):
+        record = ChatRecord(CHAT, ids_visible=False)
+        assert fed(record, chunks) == expected, chunks
+        assert record.finished and record.generated_tokens == 6
+        visible = ChatRecord(CHAT, ids_visible=True)
+        assert fed(visible, chunks) == b"".join(events)
+        assert visible.generated_tokens == 6
+
+
+def test_every_cut_of_a_chat_stream_continues_after_the_last_text() -> None:
+    events = [ROLE_IDS, content("Hello", b"19556"), HELD, content("é", b"227"),
+              content(" there", b"665,28"), HELD]
+    for chunks in reads(events):
+        record = ChatRecord(CHAT, ids_visible=False)
+        assert fed(record, chunks) == (ROLE + content("Hello", None) + content("é", None)
+                                       + content(" there", None))
+        body = json.loads(record.continuation().body or b"")
+        assert body["prompt"] == [1, 9690, 198, 19556, 226, 227, 665, 28], chunks
+        assert body["max_tokens"] == 5
+
+
+def test_every_cut_of_a_completions_stream_reaches_the_client_the_same() -> None:
+    body = {"prompt": "Once upon", "max_tokens": 6, "stream": True}
+    events = [completion_event(" a", [264], prompt=[6403, 1980]), completion_event(" time", [892]),
+              completion_event("", [226]), completion_event("é", [227]),
+              completion_event(" there", [665, 28], finish="length"), DONE]
+    expected = b"".join(_without_ids(event) for event in events)
+    for chunks in reads(events):
+        record = CompletionRecord(body, ids_visible=False)
+        assert fed(record, chunks) == expected, chunks
+        assert record.finished and record.generated_tokens == 6
+    held = CompletionRecord(body, ids_visible=False)
+    fed(held, [b"".join(events[:3])])  # the client has " time" and an empty text event
+    assert json.loads(held.continuation().body or b"")["prompt"] == [6403, 1980, 264, 892]
+
+
+def _without_ids(event: bytes) -> bytes:
+    """A completions event as the worker writes it when the ids were not asked."""
+    if not event.startswith(b"data: {"):
+        return event
+    data = json.loads(event.removeprefix(b"data: "))
+    data["choices"][0]["prompt_token_ids"] = data["choices"][0]["token_ids"] = None
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
