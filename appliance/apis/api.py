@@ -10,7 +10,7 @@ nothing to vet, is a WorkerRoute: it never passes the gate and takes no admissio
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -78,6 +78,13 @@ class GenerationApi:
         """What lets its stream continue on a new worker after an engine fault, or None: the
         request is then sent again only while its client has received nothing of it."""
         return None
+
+    def plain_text(self, body: Mapping[str, Any], settings: Settings,
+                   plain: Callable[[Mapping[str, Any]], bool]) -> bool:
+        """Whether a stream's tokens alone say where it stands: `plain` by its protocol's
+        fields, no media, and its reasoning not parsed apart (the parser's state is the
+        worker's)."""
+        return not settings.engine.reasoning_parser and not self.media(body) and plain(body)
 
 
 class ConversationApi(GenerationApi):

@@ -108,11 +108,8 @@ class MessagesApi(ConversationApi):
 
     def stream_record(self, body: Mapping[str, Any], settings: Settings
                       ) -> MessagesRecord | None:
-        """A plain text stream, its thinking not parsed apart (the parser's state is the
-        worker's): see appliance/apis/anthropic/resume.py."""
-        if settings.engine.reasoning_parser or self.media(body) or not plain_message(body):
-            return None
-        return MessagesRecord(body)
+        """A plain text stream (see appliance/apis/anthropic/resume.py)."""
+        return MessagesRecord(body) if self.plain_text(body, settings, plain_message) else None
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:

@@ -76,9 +76,8 @@ class ChatApi(ConversationApi):
         return await counter.tokenize({k: body[k] for k in TEMPLATE_KEYS if k in body})
 
     def stream_record(self, body: Mapping[str, Any], settings: Settings) -> ChatRecord | None:
-        """A plain text stream, its reasoning not parsed apart (the parser's state is the
-        worker's): see appliance/apis/openai/resume.py."""
-        if settings.engine.reasoning_parser or self.media(body) or not plain_stream(body):
+        """A plain text stream (see appliance/apis/openai/resume.py)."""
+        if not self.plain_text(body, settings, plain_stream):
             return None
         return ChatRecord(body, ids_visible=body.get(TokenIds.REQUEST) is True)
 

@@ -95,11 +95,8 @@ class ResponsesApi(GenerationApi):
 
     def stream_record(self, body: Mapping[str, Any], settings: Settings
                       ) -> ResponsesRecord | None:
-        """A plain text stream, its reasoning not parsed apart (the parser's state is the
-        worker's): see appliance/apis/responses/resume.py."""
-        if settings.engine.reasoning_parser or self.media(body) or not plain_response(body):
-            return None
-        return ResponsesRecord(body)
+        """A plain text stream (see appliance/apis/responses/resume.py)."""
+        return ResponsesRecord(body) if self.plain_text(body, settings, plain_response) else None
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:
