@@ -277,12 +277,15 @@ def _read_stream(appliance: Appliance, path: str, body: dict[str, object],
 
 def test_worker_killed_mid_stream_ends_each_protocols_stream_and_ids_name_the_restart(
         surface: Appliance, model: str) -> None:
+    """Streams that cannot go on from their text (log probabilities, stop sequences: the
+    worker's state; tests/integration/test_resume.py has those that can) end in their
+    protocol's own error once the client has some of them."""
     stored = openai_client(surface).responses.create(model=model, input="Hi", max_output_tokens=2)
     streams = {
         "/v1/responses": {"model": model, "input": LONG, "max_output_tokens": 1500,
-                          "ignore_eos": True, "stream": True},
+                          "ignore_eos": True, "stream": True, "top_logprobs": 1},
         "/v1/messages": {"model": model, "messages": [{"role": "user", "content": LONG}],
-                         "max_tokens": 1500, "stream": True},
+                         "max_tokens": 1500, "stream": True, "stop_sequences": ["\u2603\u2603"]},
     }
     seen: dict[str, list[str]] = {path: [] for path in streams}
     readers = []

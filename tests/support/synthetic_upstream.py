@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import uvicorn
 
@@ -102,12 +103,17 @@ class SyntheticWorker:
             self.counted.append(json.loads(body or b"{}"))
             count = _prompt_tokens(self.counted[-1])
             await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
-        elif path == "/metrics":
+        elif path in ("/metrics", "/metrics/"):
             text = (f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
                     f'vllm:generation_tokens_total{{model_name="{self.model}"}} '
                     f"{self.generated_tokens}\n"
                     f"synthetic_tokenize_calls_total {self.tokenized}\n"
                     f"synthetic_generate_calls_total {self.generated}\n")
+            # As vLLM's mount of prometheus_client's app at /metrics/: only the series named.
+            named = parse_qs(scope.get("query_string", b"").decode()).get("name[]")
+            if named:
+                text = "".join(line + "\n" for line in text.splitlines()
+                               if line.split("{")[0].split(" ")[0] in named)
             await _raw(send, 200, text.encode(), b"text/plain")
         else:
             await _json(send, 404, {"error": {"message": "not found", "type": "not_found",
