@@ -22,8 +22,8 @@ from typing import Any, TextIO
 class _LineLogger:
     """`log.info("event", key=value)` as one line: time, level, event, its fields."""
 
-    def __init__(self, name: str | None, stream: TextIO) -> None:
-        self._name, self._stream = name, stream
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
 
     def _line(self, level: str, event: str, **fields: Any) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -58,7 +58,7 @@ def log_to_stderr(stream: TextIO | None = None) -> None:
     stream = stream or sys.stderr
     if not _available("structlog"):
         stand_in = types.ModuleType("structlog", "stands in for structlog on a bare GPU box")
-        stand_in.get_logger = lambda name=None: _LineLogger(name, stream)  # type: ignore[attr-defined]
+        stand_in.get_logger = lambda name=None: _LineLogger(stream)  # type: ignore[attr-defined]
         sys.modules["structlog"] = stand_in
         return
     if _available("pydantic_settings", "msgspec"):
