@@ -1,7 +1,7 @@
 """What the appliance costs next to vLLM's own API server, on the real worker, in one run.
 
     python -m load.bench_cpu [--requests 48] [--concurrency 8] [--tokens 32] [--rounds 2]
-                             [--compare-resume | --baseline CHECKOUT [--baseline-first]]
+                             [--compare-resume | --baseline CHECKOUT] [--swap]
 
 Starts `chat-appliance serve` with the real vLLM CPU worker, then sends the same closed-loop
 load through the appliance, streaming and not, and reads the CPU seconds each process used
@@ -29,8 +29,8 @@ worktree add /tmp/base main`, with its .engine-venv and .models linked as instal
 run by this venv's interpreter: a change's cost, measured side by side in one run. The two
 slots are not alike: on the shared 2-core test box, in two runs with the checkouts swapped, the
 appliance started first cost 8-36% more CPU per request and its EngineCore 5-18% more,
-whichever code it ran; so run it twice, the second time with --baseline-first, and take the
-two runs' ratios together.
+whichever code it ran; so run it twice, the second time with --swap (the appliances started in the
+other order), and take the two runs' ratios together; --compare-resume the same.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="an appliance with resume off next to the default one")
     other.add_argument("--baseline", type=Path, metavar="CHECKOUT",
                        help="another checkout's appliance next to this tree's")
-    parser.add_argument("--baseline-first", action="store_true",
-                        help="start the baseline first, in the slot this tree had")
+    parser.add_argument("--swap", "--baseline-first", action="store_true",
+                        help="start the second appliance first (the baseline, or the one with "
+                             "resume off), in the slot the other had")
     return parser.parse_args(argv)
 
 
@@ -214,13 +215,14 @@ CONFIGS = {"default": {}, "resume off": {"CHAT_APPLIANCE_RESUME__ENABLED": "fals
 def appliances(args: argparse.Namespace) -> list[tuple[str, Path, dict[str, str]]]:
     """(label, checkout, settings) of each appliance to run side by side."""
     if args.compare_resume:
-        return [(label, ROOT, settings) for label, settings in CONFIGS.items()]
-    if args.baseline is not None:
+        pair: list[tuple[str, Path, dict[str, str]]] = [
+            (label, ROOT, settings) for label, settings in CONFIGS.items()]
+    elif args.baseline is not None:
         base = args.baseline.resolve()
-        this: tuple[str, Path, dict[str, str]] = (f"this tree ({ROOT})", ROOT, {})
-        other: tuple[str, Path, dict[str, str]] = (f"baseline ({base})", base, {})
-        return [other, this] if args.baseline_first else [this, other]
-    return [("default", ROOT, {})]
+        pair = [(f"this tree ({ROOT})", ROOT, {}), (f"baseline ({base})", base, {})]
+    else:
+        return [("default", ROOT, {})]
+    return pair[::-1] if args.swap else pair
 
 
 def main(argv: list[str] | None = None) -> int:
