@@ -139,10 +139,10 @@ class Gate:
         """A stream that can be continued after an engine fault asks for its token ids (where
         its record continues from them)."""
         record = vetted.api.stream_record(vetted.payload, self._settings)
-        if record is None:
-            return
-        vetted.record = record
         payload = vetted.payload
+        if record is None or (record.token_ids and payload.get(TokenIds.REQUEST) is False):
+            return  # (a client that declined the ids gets none: replayed before its first byte)
+        vetted.record = record
         if not record.token_ids or payload.get(TokenIds.REQUEST) is True:
             return
         # Appended to the bytes as sent where it is a new field of a body nothing else changed:

@@ -1,17 +1,20 @@
 """What a stream keeps to continue on a new worker after an engine fault, protocol aside.
 
 The gate asks the worker for the stream's token ids (vLLM's `return_token_ids`): the prompt's
-once, in the first event, then each event's generated ids. On the way to the client each event
-gives its ids to this record and goes on as it would have without them (`null` where the ids
-were, and an event that exists only to carry ids is dropped). After a fault the protocol's
-subclass (appliance/apis/<family>/resume.py) sends the prompt's ids plus the generated ones as a
-completions request for what is left of the budget, and reads the new stream into the client's
-protocol: same id, same `created`, usage counted over the whole answer, no seam.
+once, in the first event, then each event's generated ids. The first event is read on the way
+(its id and `created`, the prompt's ids, which are cut unless the client asked for them); every
+later event goes to the client as the worker wrote it, its `token_ids` included (vLLM's own
+field, `null` when not asked), and is kept as it came, unread. The kept bytes are read for
+their ids only when they pass KEPT_BYTES, or after a fault: one C-level pass over many events
+instead of a Python step per event, the cost the hot path would otherwise pay for a fault that
+mostly never comes. After a fault the protocol's subclass (appliance/apis/<family>/resume.py)
+sends the prompt's ids plus the generated ones as a completions request for what is left of the
+budget, and reads the new stream into the client's protocol: same id, same `created`, usage
+counted over the whole answer, no seam.
 
 Memory: the ids as the worker wrote them (digits and commas, about 6 bytes a token) for the
 prompt and what was generated, so at most about 6 bytes times the context window per stream,
-plus the first event's id and model. Nothing is parsed on the way unless a fault happens, but
-the first event (once per stream, for its id) and the events of a continuation.
+plus at most KEPT_BYTES of events not read yet, plus the first event's id and model.
 
 Token ids after the last event that carried text are the worker's, not yet the client's (a
 character split across tokens, held until complete): a continuation starts before them and
@@ -20,6 +23,7 @@ generates them again.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,13 +32,13 @@ import msgspec
 
 from appliance.fences.vllm import TokenIds
 from appliance.sse import END as _END
-from appliance.sse import Events, per_event
+from appliance.sse import Events
 
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _NULL = b"null"
 _FINISHED = b'"finish_reason":"'
-_UNFINISHED = b'"finish_reason":null'
+KEPT_BYTES = 32 * 1024  # a stream's events kept unread; past it they are read for their ids
 
 
 def _key(name: str) -> bytes:
@@ -43,7 +47,7 @@ def _key(name: str) -> bytes:
 
 _PROMPT_KEY = _key(TokenIds.PROMPT)
 _GENERATED_KEY = _key(TokenIds.GENERATED)
-_NULLED = _GENERATED_KEY[:-1] + _NULL  # the key as the worker writes it without ids
+_IDS = re.compile(rb'"' + TokenIds.GENERATED.encode() + rb'":\[([^\]]*)\]')  # one event's
 
 
 @dataclass(frozen=True)
@@ -99,36 +103,49 @@ class StreamRecord(Record):
 
     def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:
         self._payload = payload  # the body as forwarded (its budget fitted by then)
-        self._visible = ids_visible  # the client asked for the ids itself: they stay
+        self._visible = ids_visible  # the client asked for the ids itself: the prompt's stay
         self._events = Events()  # the start of an event whose end has not arrived
         self.head: Head | None = None
         self._prompt = b""  # the prompt's ids as the worker wrote them
         self._generated = bytearray()  # the generated ids, comma-separated
         self._settled = 0  # bytes of the ids up to the last event with text
-        self.finished = False  # an event carried the finish reason: nothing more to generate
+        self._finished = False  # an event carried the finish reason: nothing more to generate
+        self._kept: list[bytes] = []  # the stream's events since they were last read, as they came
+        self._kept_bytes = 0
         self._continued = False  # events now come from a continuation, to be translated
-        self._steady = False  # the first event was read: the rest take the one-pass path
-        # How a token's event without text ends (such an event goes one at a time).
-        self._empty = b"" if self.open_ids is None else self.no_text + self.open_ids
+        self._steady = False  # the first event was read: the rest are kept as they come
+        self._shown: list[int] = []  # held ids the client has, which a continuation generates again
+
+    @property
+    def finished(self) -> bool:
+        self._read_kept()
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._finished = value
 
     # --- on the way to the client -----------------------------------------------------------
 
     def take(self, chunk: bytes) -> bytes:
-        """The worker's bytes as the client gets them, the ids recorded on the way."""
-        events = self._events.whole(chunk)
-        if self._steady:
-            return self._token_events(events)
+        """The worker's bytes as the client gets them, kept to be read for their ids."""
+        events = self._events.whole(chunk)  # whole events only: a seam never cuts one
+        if self._steady:  # the hot path: most of a stream
+            self._keep(events)
+            return events
         out: list[bytes] = []
         at = 0
         while at < len(events) and not self._steady:  # one at a time until the first is read
             end = events.find(_END, at) + len(_END)
             out.append(self._event(events[at:end]))
             at = end
-        if at < len(events):  # the rest of the read that brought the stream's first event
-            out.append(self._token_events(events[at:]))
+        if rest := events[at:]:  # the rest of the read that made the stream steady
+            self._keep(rest)
+            out.append(rest)
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
+        """One event before the stream is steady: its first, or one of a continuation."""
         if not event.startswith(_DATA) or event.startswith(_DONE):
             return event
         if self._continued:
@@ -139,71 +156,8 @@ class StreamRecord(Record):
         if prompt is not None and not self._prompt:
             self._prompt = prompt
         self._steady = self.head is not None and bool(self._prompt)
-        event, ids = self._cut(event, _GENERATED_KEY)
-        if _FINISHED in event:
-            self.finished = True
-        if ids is not None:
-            empty = self.no_text in event
-            self.record(ids, not empty)
-            if not self._visible and empty and self.drops_empty and _UNFINISHED in event:
-                return b""  # exists only to carry ids
+        self._read(event)
         return event
-
-    def _token_events(self, events: bytes) -> bytes:
-        """The whole events of one read after the first event, in one pass (the hot path: most
-        of a stream): the events vLLM writes for a token with text (ids last, after
-        `open_ids`) have their ids gathered and cut in one split of the read; from the first
-        other one (without text, the last one, the usage event), each goes through
-        _token_event."""
-        open_ids, empty = self.open_ids, self._empty
-        parts = events.split(_GENERATED_KEY)
-        if open_ids is None or len(parts) == 1:
-            return per_event(events, self._token_event)
-        ids: list[bytes] = []
-        kept = [parts[0]]  # the read without its ids, in the pieces around them
-        for i in range(1, len(parts)):
-            before, part = parts[i - 1], parts[i]
-            end = part.find(b"]")
-            if end < 0 or not before.endswith(open_ids) or before.endswith(empty):
-                return self._other_from(events, parts, i, ids, kept)
-            if end:
-                ids.append(part[:end])
-            kept.append(part[end + 1:])
-        self.record(b",".join(ids), True)
-        return events if self._visible else _NULLED.join(kept)
-
-    def _other_from(self, events: bytes, parts: list[bytes], i: int, ids: list[bytes],
-                    kept: list[bytes]) -> bytes:
-        """The read of _token_events whose `i`th ids are in an event it does not know: the
-        events before that one as it cut them, the rest one at a time."""
-        before = parts[i - 1]
-        cut = before.rfind(_END)  # the end of the event before it, if in the same part
-        tail = len(before) - (cut + len(_END) if cut >= 0 else 0)  # the event's own start
-        at = sum(map(len, parts[:i])) + (i - 1) * len(_GENERATED_KEY) - tail
-        if i > 1:  # events with text came before it
-            self.record(b",".join(ids), True)
-        done = _NULLED.join(kept)
-        known = events[:at] if self._visible else done[:len(done) - tail]
-        return known + per_event(events[at:], self._token_event)
-
-    def _token_event(self, event: bytes) -> bytes:
-        """An event after the first that _token_events does not know."""
-        start = event.rfind(_GENERATED_KEY)
-        if start < 0:  # the usage event, [DONE]: nothing to record or cut
-            if _FINISHED in event:
-                self.finished = True
-            return event
-        first = start + len(_GENERATED_KEY)
-        end = event.find(b"]", first)
-        empty = self.no_text in event
-        self.record(event[first:end] if end > first else b"", not empty)
-        if _FINISHED in event:
-            self.finished = True
-        if self._visible:
-            return event
-        if empty and self.drops_empty and _UNFINISHED in event:
-            return b""  # exists only to carry ids
-        return event[:first - 1] + _NULL + event[end + 1:]
 
     def _cut(self, event: bytes, key: bytes) -> tuple[bytes, bytes | None]:
         """The event without the ids under `key` (unless the client asked for them), and the
@@ -217,6 +171,41 @@ class StreamRecord(Record):
         if self._visible:
             return event, ids
         return event[:start + len(key) - 1] + _NULL + event[end + 1:], ids
+
+    def _keep(self, data: bytes) -> None:
+        if data:
+            self._kept.append(data)
+            self._kept_bytes += len(data)
+            if self._kept_bytes > KEPT_BYTES:
+                self._read_kept()
+
+    def _read_kept(self) -> None:
+        """The events kept so far read for their ids."""
+        if self._kept:
+            events = b"".join(self._kept)
+            self._kept, self._kept_bytes = [], 0
+            self._read(events)
+
+    def _read(self, events: bytes) -> None:
+        """Whole events' generated ids recorded, and whether the last token came. The ids of the
+        events at their end that carried no text (a character not complete yet) are recorded
+        as not the client's."""
+        ids = list(filter(None, _IDS.findall(events)))
+        if _FINISHED in events:
+            self._finished = True
+        if not ids:
+            return
+        held = 0  # of those ids, in the events without text at the end
+        for event in reversed(events.split(_END)):
+            if _GENERATED_KEY not in event:
+                continue  # the usage event, [DONE], what follows the last event
+            if self.no_text not in event:
+                break
+            held += len(list(filter(None, _IDS.findall(event))))
+        if held < len(ids):
+            self.record(b",".join(ids[:len(ids) - held]), True)
+        if held:
+            self.record(b",".join(ids[len(ids) - held:]), False)
 
     def record(self, ids: bytes, has_text: bool) -> None:
         """Ids generated (digits and commas, possibly none), and whether their event carried
@@ -239,6 +228,9 @@ class StreamRecord(Record):
 
     def continuation(self) -> Continuation:
         """The request for the rest, from the last settled id; what follows is translated."""
+        self._read_kept()
+        held = bytes(self._generated[self._settled:]).strip(b",")
+        self._shown = [int(i) for i in held.split(b",")] if held else []
         del self._generated[self._settled:]
         count = self.generated_tokens
         self._events = Events()
@@ -248,12 +240,22 @@ class StreamRecord(Record):
         rest = msgspec.json.encode(self.continued_fields(count))
         return Continuation(self.continued_target, b'{"prompt":[' + ids + b"]," + rest[1:])
 
+    def unseen(self, ids: list[int]) -> list[int]:
+        """A continuation event's ids as the client gets them: those the client already had
+        (of a character not complete at the fault, generated again from the seam) not twice."""
+        shown, same = self._shown, 0
+        while same < len(ids) and same < len(shown) and ids[same] == shown[same]:
+            same += 1
+        self._shown = shown[same:] if same == len(ids) else []  # else no more to leave out
+        return ids[same:]
+
     @property
     def prompt_tokens(self) -> int:
         return self._prompt.count(b",") + 1 if self._prompt else 0
 
     @property
     def generated_tokens(self) -> int:
+        self._read_kept()
         generated = self._generated  # counted when asked: only after a fault
         return generated.count(b",") + 1 if generated else 0
 
@@ -292,12 +294,6 @@ class StreamRecord(Record):
             self.head = Head(head.id, head.created, head.model or "")
 
     no_text: bytes  # what an event without text for the client holds
-    # What comes just before the ids in vLLM's event for a token, not the last one, of a
-    # plain stream (its choice's fields after the text, in vLLM's order); None: the protocol
-    # has no such event, and each event goes one at a time.
-    open_ids: bytes | None = None
-    # Whether such an event (unfinished) exists only because the ids were asked, and is dropped.
-    drops_empty = False
 
     def continued_fields(self, generated: int) -> dict[str, Any]:
         """The continuation's body but its prompt, after `generated` tokens."""

@@ -74,7 +74,8 @@ class _Continued(StreamRecord):
         return fields
 
     def _continued_choice(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        """The continuation event's choice, its ids recorded; None for the usage event."""
+        """The continuation event's choice, its ids recorded and left as the client gets them;
+        None for the usage event."""
         choices = event.get("choices") or []
         if not choices:
             return None
@@ -83,7 +84,13 @@ class _Continued(StreamRecord):
         self.record(",".join(map(str, ids)).encode(), bool(choice.get("text")))
         if choice.get("finish_reason") is not None:
             self.finished = True
+        choice["token_ids"] = self.unseen(ids)
         return choice
+
+    @staticmethod
+    def _says_nothing(choice: dict[str, Any]) -> bool:
+        """No text, no ids the client has not seen, no finish: the event is not sent."""
+        return not (choice.get("text") or choice["token_ids"] or choice.get("finish_reason"))
 
     def _usage(self, event: dict[str, Any]) -> bytes:
         """The continuation's usage event as the whole answer's (b"" for an empty event)."""
@@ -92,7 +99,7 @@ class _Continued(StreamRecord):
 
 class ChatRecord(_Continued):
     """A chat stream: its first event holds the prompt's ids at the top; a content event with
-    nothing to say (`"delta":{}`) exists only to carry ids."""
+    nothing to say (`"delta":{}`) carries the ids of a character not complete yet."""
 
     budget_field = "max_completion_tokens"
     event_object = "chat.completion.chunk"
@@ -103,23 +110,21 @@ class ChatRecord(_Continued):
             self.budget_field = "max_tokens"
 
     no_text = b'"delta":{}'
-    open_ids = b',"logprobs":null,"finish_reason":null,'
-    drops_empty = True
 
     def translate(self, event: dict[str, Any]) -> bytes:
         choice = self._continued_choice(event)
         if choice is None:
             return self._usage(event)
         assert self.head is not None
-        text, finish = choice.get("text") or "", choice.get("finish_reason")
-        if not text and finish is None and not self._visible:
+        if self._says_nothing(choice):
             return b""
+        text, finish = choice.get("text") or "", choice.get("finish_reason")
         delta = {"content": text} if text or finish is not None else {}
         out_choice: dict[str, Any] = {"index": 0, "delta": delta,
                                       "logprobs": None, "finish_reason": finish}
         if finish is not None:
             out_choice["stop_reason"] = choice.get("stop_reason")
-        out_choice["token_ids"] = choice.get("token_ids") if self._visible else None
+        out_choice["token_ids"] = choice.get("token_ids")
         out: dict[str, Any] = {"id": self.head.id, "object": "chat.completion.chunk",
                                "created": self.head.created, "model": self.head.model,
                                "choices": [out_choice]}
@@ -129,22 +134,20 @@ class ChatRecord(_Continued):
 
 
 class CompletionRecord(_Continued):
-    """A completions stream: its first choice holds the prompt's ids; every event is the
-    client's (an empty text is one the client gets without ids too)."""
+    """A completions stream: its first choice holds the prompt's ids."""
 
     budget_field = "max_tokens"
     event_object = "text_completion"
 
     no_text = b'"text":""'
-    open_ids = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
 
     def translate(self, event: dict[str, Any]) -> bytes:
         choice = self._continued_choice(event)
         if choice is None:
             return self._usage(event)
+        if self._says_nothing(choice):
+            return b""
         assert self.head is not None
         event["id"], event["created"], event["model"] = self.head.id, self.head.created, self.head.model
         choice["prompt_token_ids"] = None
-        if not self._visible:
-            choice["token_ids"] = None
         return sse(event)

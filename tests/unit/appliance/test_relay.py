@@ -390,8 +390,8 @@ async def test_a_stream_goes_on_from_its_token_ids_without_a_seam() -> None:
                        completion_event("", [2], finish="stop"), b"data: [DONE]\n\n"])
     setup = resuming(first, rest)
     await setup.run(vetted)
-    assert setup.client.body == (ROLE + content("Hello", None) + content(" there", None)
-                                 + content("", None, finish="stop") + b"data: [DONE]\n\n")
+    assert setup.client.body == (ROLE + content("Hello", b"19556") + content(" there", b"665")
+                                 + content("", b"2", finish="stop") + b"data: [DONE]\n\n")
     (_, path, body) = setup.worker.sent[1]
     assert path == "/v1/completions"
     assert json.loads(body or b"")["prompt"] == [1, 9690, 198, 19556]

@@ -1,7 +1,7 @@
 """A chat or completions stream's record (appliance/apis/openai/resume.py over
 appliance/recovery/stream.py), on events as vLLM 0.32 writes them (captured from the worker):
-the client sees what it would without the ids, the continuation carries prompt + generated
-ids and what is left of the budget, and its events read as the same stream."""
+the client sees the worker's stream but the prompt's ids, the continuation carries prompt +
+generated ids and what is left of the budget, and its events read as the same stream."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
+from appliance.recovery.stream import KEPT_BYTES
 
 HEAD = b'"id":"chatcmpl-a9","object":"chat.completion.chunk","created":17,"model":"m"'
 ROLE_IDS = (b'data: {' + HEAD + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
@@ -43,15 +44,29 @@ def completion_event(text: str, ids: list[int], prompt: list[int] | None = None,
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
-def test_the_client_gets_the_stream_it_would_without_the_ids() -> None:
+def test_the_client_gets_the_workers_stream_but_the_prompts_ids() -> None:
     record = ChatRecord(CHAT, ids_visible=False)
     assert record.take(ROLE_IDS) == ROLE
-    assert record.take(content("Hello", b"19556")) == content("Hello", None)
-    assert record.take(HELD) == b""  # exists only to carry an id
-    split = content(" there", b"665")
-    assert record.take(split[:20]) == b"" and record.take(split[20:]) == content(" there", None)
+    assert record.take(content("Hello", b"19556")) == content("Hello", b"19556")
+    assert record.take(HELD) == HELD
+    split = content(" there", b"665")  # whole events only: a seam must never cut one
+    assert record.take(split[:20]) == b"" and record.take(split[20:]) == split
     assert record.prompt_tokens == 3 and record.generated_tokens == 3
     assert record.resumable
+
+
+def test_a_long_stream_is_read_for_its_ids_as_it_goes_not_kept_whole() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS)
+    event = content("word", b"7")
+    count = 3 * KEPT_BYTES // len(event)
+    for _ in range(count):
+        assert record.take(event) == event
+        assert record._kept_bytes <= KEPT_BYTES  # the bound is the point
+    record.take(HELD)  # its id is not the client's yet: the continuation starts before it
+    assert record.generated_tokens == count + 1
+    body = json.loads(record.continuation().body or b"")
+    assert body["prompt"] == [1, 9690, 198, *[7] * count]
 
 
 def test_a_client_that_asked_for_the_ids_keeps_them() -> None:
@@ -78,9 +93,9 @@ def test_the_continuation_reads_as_the_same_chat_stream() -> None:
     record.take(ROLE_IDS + content("Hello", b"19556"))
     record.continuation()
     first = record.take(completion_event(" there", [665], prompt=[1, 9690, 198, 19556]))
-    assert first == content(" there", None)
+    assert first == content(" there", b"665")
     last = completion_event("", [2], finish="stop")
-    assert record.take(last) == content("", None, finish="stop")
+    assert record.take(last) == content("", b"2", finish="stop")
     usage = {"id": "cmpl-new", "object": "text_completion", "created": 99, "model": "m",
              "choices": [], "usage": {"prompt_tokens": 5, "total_tokens": 7,
                                       "completion_tokens": 2}, "system_fingerprint": "fp"}
@@ -91,6 +106,16 @@ def test_the_continuation_reads_as_the_same_chat_stream() -> None:
         "system_fingerprint": "fp"}
     assert record.take(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
     assert record.finished and not record.resumable
+
+
+def test_the_ids_of_a_character_the_client_had_when_the_engine_died_come_once() -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556") + HELD)  # 226: a character's first part
+    assert json.loads(record.continuation().body or b"")["prompt"] == [1, 9690, 198, 19556]
+    assert record.take(completion_event("", [226], prompt=[1, 9690, 198, 19556])) == b""
+    after = json.loads(record.take(completion_event("é", [227])).removeprefix(b"data: "))
+    assert after == json.loads(content("é", b"227").removeprefix(b"data: "))
+    assert record.generated_tokens == 3  # 19556, 226, 227: the ids the client saw, once each
 
 
 def test_a_second_fault_continues_from_the_continuations_ids() -> None:
@@ -109,7 +134,7 @@ def test_a_completions_stream_keeps_its_id_across_the_seam() -> None:
                                        created=5))
     assert json.loads(out.removeprefix(b"data: "))["choices"][0] == {
         "index": 0, "text": " the", "logprobs": None, "finish_reason": None,
-        "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+        "stop_reason": None, "prompt_token_ids": None, "token_ids": [260]}
     assert json.loads(record.continuation().body or b"")["prompt"] == [6403, 1980, 260]
     later = json.loads(record.take(completion_event(" end", [9], prompt=[6403, 1980, 260]))
                        .removeprefix(b"data: "))
@@ -141,9 +166,9 @@ def test_streams_whose_state_is_more_than_their_tokens_do_not_resume() -> None:
 
 
 # --- however the reads cut the stream ----------------------------------------------------------
-# After its first event a stream's events are cut a whole read at a time; these check that every
-# way of cutting the worker's bytes into reads gives the client the same bytes and leaves the
-# record where one event at a time leaves it.
+# After its first event a stream's events are kept a whole read at a time, read for their ids
+# later; these check that every way of cutting the worker's bytes into reads gives the client the
+# same bytes and leaves the record where one event at a time leaves it.
 
 USAGE = (b"data: {" + HEAD + b',"choices":[],"usage":{"prompt_tokens":3,"total_tokens":9,'
          b'"completion_tokens":6}}\n\n')
@@ -176,8 +201,7 @@ def test_every_cut_of_a_chat_stream_reaches_the_client_the_same() -> None:
     events = [ROLE_IDS, content("Hello", b"19556"), content(" there", b"665,28"), HELD,
               content("é", b"227"), content("", b""), content("!", b"0", finish="length"),
               USAGE, DONE]
-    expected = (ROLE + content("Hello", None) + content(" there", None) + content("é", None)
-                + content("", None) + content("!", None, finish="length") + USAGE + DONE)
+    expected = ROLE + b"".join(events[1:])
     for chunks in reads(events):
         record = ChatRecord(CHAT, ids_visible=False)
         assert fed(record, chunks) == expected, chunks
@@ -192,8 +216,7 @@ def test_every_cut_of_a_chat_stream_continues_after_the_last_text() -> None:
               content(" there", b"665,28"), HELD]
     for chunks in reads(events):
         record = ChatRecord(CHAT, ids_visible=False)
-        assert fed(record, chunks) == (ROLE + content("Hello", None) + content("é", None)
-                                       + content(" there", None))
+        assert fed(record, chunks) == ROLE + b"".join(events[1:])
         body = json.loads(record.continuation().body or b"")
         assert body["prompt"] == [1, 9690, 198, 19556, 226, 227, 665, 28], chunks
         assert body["max_tokens"] == 5
@@ -204,7 +227,7 @@ def test_every_cut_of_a_completions_stream_reaches_the_client_the_same() -> None
     events = [completion_event(" a", [264], prompt=[6403, 1980]), completion_event(" time", [892]),
               completion_event("", [226]), completion_event("é", [227]),
               completion_event(" there", [665, 28], finish="length"), DONE]
-    expected = b"".join(_without_ids(event) for event in events)
+    expected = _without_prompt_ids(events[0]) + b"".join(events[1:])
     for chunks in reads(events):
         record = CompletionRecord(body, ids_visible=False)
         assert fed(record, chunks) == expected, chunks
@@ -214,10 +237,8 @@ def test_every_cut_of_a_completions_stream_reaches_the_client_the_same() -> None
     assert json.loads(held.continuation().body or b"")["prompt"] == [6403, 1980, 264, 892]
 
 
-def _without_ids(event: bytes) -> bytes:
-    """A completions event as the worker writes it when the ids were not asked."""
-    if not event.startswith(b"data: {"):
-        return event
+def _without_prompt_ids(event: bytes) -> bytes:
+    """A completions event with the prompt's ids as the worker writes it when not asked."""
     data = json.loads(event.removeprefix(b"data: "))
-    data["choices"][0]["prompt_token_ids"] = data["choices"][0]["token_ids"] = None
+    data["choices"][0]["prompt_token_ids"] = None
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

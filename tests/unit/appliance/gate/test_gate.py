@@ -70,5 +70,8 @@ def test_a_resumable_stream_asks_for_its_token_ids_without_a_reencode() -> None:
             b'"return_token_ids": true}'
     visible = gate().vet_now(asked, CHAT)
     assert visible.body() == asked and visible.record is not None
+    declined = asked.replace(b"true}", b"false}")
+    vetted = gate().vet_now(declined, CHAT)  # the stream sends the ids on: one that says no
+    assert vetted.body() == declined and vetted.record is None  # is not kept to be resumed
     off = Gate(Settings(resume={"enabled": False}), None)  # type: ignore[arg-type]
     assert off.vet_now(raw, CHAT).body() == raw
