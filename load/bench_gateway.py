@@ -1,7 +1,7 @@
 """The cost of the appliance itself: direct vs through the appliance vs through LiteLLM, in one run.
 
     python -m load.bench_gateway [--clients 64] [--rounds 3] [--round-s 8] [--tls]
-                                 [--compare-resume]
+                                 [--compare-resume] [--baseline CHECKOUT]
 
 One synthetic upstream (no model, tokens as fast as it can) is the appliance's supervised worker;
 LiteLLM's proxy forwards to the same upstream. With --tls a second appliance, serving HTTPS (a
@@ -9,7 +9,9 @@ self-signed certificate, its clients on kept-alive connections), supervises a tw
 the target `appliance-tls`, whose cost next to `appliance` is what TLS adds. With
 --compare-resume another one, with `resume.enabled = false`, is the target
 `appliance-noresume`: what keeping streams resumable costs (the upstream then writes token ids
-as vLLM does). Closed-loop
+as vLLM does). With --baseline CHECKOUT another checkout's appliance (say the tree before a
+change: `git worktree add /tmp/base <commit>`) over its own synthetic upstream is the target
+`baseline`: a change's cost, side by side in one run. Closed-loop
 clients drive each target in turn, streaming and non-streaming rounds alternating, the target
 order rotated every round. Ratios are the result: everything here shares the same cores, the load
 generator included.
@@ -22,6 +24,7 @@ import asyncio
 import importlib.util
 import os
 import ssl
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--compare-resume", action="store_true",
                         help="add an appliance with resume off (target appliance-noresume)")
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="add another checkout's appliance (target baseline)")
     parser.add_argument("--tls", action="store_true",
                         help="also measure the appliance serving HTTPS (target appliance-tls)")
     return parser.parse_args(argv)
@@ -102,6 +107,8 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
         _add_tls_appliance(stack, args, workdir)
     if args.compare_resume:
         _add_noresume_appliance(stack, args, workdir)
+    if args.baseline is not None:
+        _add_baseline_appliance(stack, args, workdir)
     if args.no_litellm:
         stack.notes.append("litellm: unavailable (--no-litellm)")
     else:
@@ -145,6 +152,32 @@ def _add_noresume_appliance(stack: Stack, args: argparse.Namespace, workdir: Pat
     stack.cpu_pids["upstream"].append((upstream_pid, False))
     stack.notes.append("appliance-noresume: the same with resume.enabled = false; its "
                        "upstream a twin of the first")
+
+
+def _add_baseline_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) -> None:
+    """Another checkout's appliance, over its own synthetic upstream (as the TLS one)."""
+    port, upstream_port = args.base_port + 7, args.base_port + 8
+    root = args.baseline.resolve()
+    service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
+                              workdir, None, "baseline", root=root)
+    stack.services.append(service)
+    url = f"http://127.0.0.1:{port}/health"
+    if not wait_http(service, url, 60):
+        raise SystemExit(f"the baseline appliance never became ready:\n{service.tail()}")
+    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False).json()["pid"])
+    stack.targets.append(Target("baseline", port, API_KEY))
+    stack.cpu_pids["baseline"] = [(service.proc.pid, False)]
+    stack.cpu_pids["upstream"].append((upstream_pid, False))
+    stack.notes.append(f"baseline: the appliance of {root} ({_commit(root)}), over its own "
+                       "synthetic upstream")
+
+
+def _commit(root: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"],
+                              capture_output=True, text=True, check=True).stdout.strip()[:72]
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
 
 
 def _add_litellm(stack: Stack, port: int, upstream_port: int, workdir: Path) -> None:

@@ -49,10 +49,11 @@ def cpu_seconds(pid: int, children: bool = False) -> float:
         return 0.0
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], workdir: Path) -> Service:
+def _spawn(name: str, argv: list[str], env: dict[str, str], workdir: Path,
+           root: Path = ROOT) -> Service:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                                 start_new_session=True)
     return Service(name, proc, log_path)
 
@@ -74,18 +75,23 @@ def wait_http(service: Service, url: str, timeout_s: float,
 
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
                     api_key: str, workdir: Path, tls: tuple[Path, Path] | None = None,
-                    name: str = "appliance", settings: dict[str, str] | None = None) -> Service:
+                    name: str = "appliance", settings: dict[str, str] | None = None,
+                    root: Path = ROOT) -> Service:
     """`chat-appliance serve` supervising the synthetic upstream as its worker; with `tls`
     (certificate, key) its port speaks HTTPS. The appliance reaches the upstream on its Unix
-    socket, as it reaches vLLM; the direct and LiteLLM runs use its port."""
+    socket, as it reaches vLLM; the direct and LiteLLM runs use its port. With `root` another
+    checkout's appliance and upstream (a baseline from before workers had a Unix socket, such
+    as a48c0a0, reaches it on its port)."""
     socket_dir = workdir / f"worker-{name}"
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
-                "--tokens", str(tokens), "--token-delay", str(token_delay_s),
-                "--uds", str(socket_dir / "worker.sock")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
+                "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")}
+    if (root / "appliance" / "worker_address.py").exists():  # workers on a Unix socket
+        upstream += ["--uds", str(socket_dir / "worker.sock")]
+        env["CHAT_APPLIANCE_ENGINE__SOCKET_DIR"] = str(socket_dir)
+    env |= {
         "CHAT_APPLIANCE_ENGINE__COMMAND": json.dumps(upstream),
         "CHAT_APPLIANCE_ENGINE__PORT": str(upstream_port),
-        "CHAT_APPLIANCE_ENGINE__SOCKET_DIR": str(socket_dir),
         "CHAT_APPLIANCE_SERVER__PORT": str(port),
         "CHAT_APPLIANCE_SERVER__HOST": "127.0.0.1",
         "CHAT_APPLIANCE_SERVER__API_KEYS": json.dumps([api_key]),
@@ -93,14 +99,14 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
         # request can race the slot its last one is releasing. The bench measures the proxy.
         "CHAT_APPLIANCE_POLICY__MAX_INFLIGHT": "256",
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": str(root),
     }
     if tls is not None:
         env |= {"CHAT_APPLIANCE_SERVER__TLS_CERTFILE": str(tls[0]),
                 "CHAT_APPLIANCE_SERVER__TLS_KEYFILE": str(tls[1])}
     env |= settings or {}
     chat_appliance = Path(sys.executable).with_name("chat-appliance")
-    return _spawn(name, [str(chat_appliance), "serve"], env, workdir)
+    return _spawn(name, [str(chat_appliance), "serve"], env, workdir, root)
 
 
 def ensure_litellm(home: Path = LITELLM_HOME) -> Path | str:
