@@ -126,10 +126,17 @@ def assert_seamless(faulted: list[Event | str], plain: list[Event | str]) -> Non
                       if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]]
     usage = [e["usage"] for e in bodies if e.get("usage")]
     assert usage == [e["usage"] for e in plain if isinstance(e, dict) and e.get("usage")]
+    assert token_ids(plain) and token_ids(faulted) == token_ids(plain)  # once each, as unbroken
     shapes = {tuple(e) for e in bodies} | {tuple(e["choices"][0]) for e in bodies if e["choices"]}
     assert shapes == ({tuple(e) for e in plain if isinstance(e, dict)}
                       | {tuple(e["choices"][0]) for e in plain
                          if isinstance(e, dict) and e["choices"]})
+
+
+def token_ids(events: list[Event | str]) -> list[int]:
+    """The generated token ids a chat or completions stream showed its client, in order."""
+    return [i for e in events if isinstance(e, dict) and e.get("choices")
+            for i in e["choices"][0].get("token_ids") or []]
 
 
 def outlived(appliance: Appliance, how: str) -> int:
