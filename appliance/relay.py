@@ -391,17 +391,22 @@ class Relay:
         return True
 
     def _relayed(self, chunk: bytes) -> None:
+        """Each chunk on its way to the client (for a stream from a real worker: each token)."""
+        if not self._answering:
+            self._answer_began()
+        self._so_far.relayed(chunk)
+        self._cost.progressed(chunk.count(b"data:"))
+
+    def _answer_began(self) -> None:
+        """The first chunk of an exchange: the worker took the request up."""
         if self._first_at is not None:
             self._deps.metrics.first_token(self._route, time.perf_counter() - self._first_at)
             self._first_at = None
         self._relayed_any = True
-        if not self._answering:  # the worker took the request up: it owes no first token
-            self._answering = True
-            self._deps.engine.waiting.answering(self)
-        self._so_far.relayed(chunk)
+        self._answering = True  # it owes no first token
+        self._deps.engine.waiting.answering(self)
         if self._isolated is not None:  # its answer began: the next suspect may go
             self._leave_isolation()
-        self._cost.progressed(chunk.count(b"data:"))
 
     async def _head(self, send: Send, reply: Reply) -> None:
         headers = reply.headers + _encode_headers(self._outbound.headers)

@@ -150,7 +150,8 @@ class CostWatch:
                 self._norm.append(gap)
         followed.last_event = now
         followed.tokens += events
-        self._judge()
+        if self._constrained:  # (an event's cost while none is: this test)
+            self._judge()
 
     def _judge(self) -> None:
         if not (self._limits.abort_when_slow and self._constrained and len(self._at_engine) > 1):

@@ -130,8 +130,12 @@ class StreamRecord(Record):
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
-        if self._steady:  # the hot path: most of a stream
-            self._keep(events)
+        if self._steady:  # the hot path: most of a stream (_keep, inline)
+            if events:
+                self._kept.append(events)
+                self._kept_bytes += len(events)
+                if self._kept_bytes > KEPT_BYTES:
+                    self._read_kept()
             return events
         out: list[bytes] = []
         at = 0
