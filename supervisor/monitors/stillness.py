@@ -8,6 +8,7 @@ a deadlock), and waiting the K failed probes of the health monitor (each a full 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,11 +24,18 @@ from supervisor.monitors.progress import Activity, thread_states
 def server_activity(worker: Worker, threads: bool) -> Activity | None:
     """The API server process alone (the pid /health names); None once it is gone."""
     try:
-        times = psutil.Process(worker.pid).cpu_times()
+        times = _process(worker.pid).cpu_times()
     except psutil.Error:
         return None
     runnable, stopped = thread_states(worker.pid) if threads else (0, False)
     return Activity(times.user + times.system, runnable, stopped)
+
+
+@functools.lru_cache(maxsize=2)
+def _process(pid: int) -> psutil.Process:
+    """One psutil handle per worker, not one per question: making it reads /proc twice (its
+    start time too), twice a second on the serving loop."""
+    return psutil.Process(pid)
 
 
 @dataclass
