@@ -121,19 +121,11 @@ def _add_tls_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) ->
     idles while the other's target runs)."""
     port, upstream_port = args.base_port + 3, args.base_port + 4
     cert, key = self_signed(workdir, "bench")
-    trust = ssl.create_default_context(cafile=str(cert))
     service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
                               workdir, (cert, key), "appliance-tls")
-    stack.services.append(service)
-    url = f"https://127.0.0.1:{port}/health"
-    if not wait_http(service, url, 60, verify=trust):
-        raise SystemExit(f"the TLS appliance never became ready:\n{service.tail()}")
-    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False, verify=trust).json()["pid"])
-    stack.targets.append(Target("appliance-tls", port, API_KEY, tls=trust))
-    stack.cpu_pids["appliance-tls"] = [(service.proc.pid, False)]
-    stack.cpu_pids["upstream"].append((upstream_pid, False))
-    stack.notes.append(f"appliance-tls: the same, serving HTTPS ({ssl.OPENSSL_VERSION}, "
-                       "EC P-256 certificate, TLS 1.3); its upstream a twin of the first")
+    _join(stack, service, port, f"the same, serving HTTPS ({ssl.OPENSSL_VERSION}, EC P-256 "
+          "certificate, TLS 1.3); its upstream a twin of the first",
+          ssl.create_default_context(cafile=str(cert)))
 
 
 def _add_noresume_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) -> None:
@@ -142,16 +134,8 @@ def _add_noresume_appliance(stack: Stack, args: argparse.Namespace, workdir: Pat
     service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
                               workdir, None, "appliance-noresume",
                               {"CHAT_APPLIANCE_RESUME__ENABLED": "false"})
-    stack.services.append(service)
-    url = f"http://127.0.0.1:{port}/health"
-    if not wait_http(service, url, 60):
-        raise SystemExit(f"the resume-off appliance never became ready:\n{service.tail()}")
-    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False).json()["pid"])
-    stack.targets.append(Target("appliance-noresume", port, API_KEY))
-    stack.cpu_pids["appliance-noresume"] = [(service.proc.pid, False)]
-    stack.cpu_pids["upstream"].append((upstream_pid, False))
-    stack.notes.append("appliance-noresume: the same with resume.enabled = false; its "
-                       "upstream a twin of the first")
+    _join(stack, service, port, "the same with resume.enabled = false; its upstream a twin of "
+          "the first")
 
 
 def _add_baseline_appliance(stack: Stack, args: argparse.Namespace, workdir: Path) -> None:
@@ -160,16 +144,24 @@ def _add_baseline_appliance(stack: Stack, args: argparse.Namespace, workdir: Pat
     root = args.baseline.resolve()
     service = start_appliance(port, upstream_port, args.tokens, args.token_delay, API_KEY,
                               workdir, None, "baseline", root=root)
+    _join(stack, service, port, f"the appliance of {root} ({_commit(root)}), over its own "
+          "synthetic upstream")
+
+
+def _join(stack: Stack, service: Service, port: int, note: str,
+          tls: ssl.SSLContext | None = None) -> None:
+    """One more appliance as a target once it serves (named as its service), its CPU and its
+    upstream's counted."""
     stack.services.append(service)
-    url = f"http://127.0.0.1:{port}/health"
-    if not wait_http(service, url, 60):
-        raise SystemExit(f"the baseline appliance never became ready:\n{service.tail()}")
-    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False).json()["pid"])
-    stack.targets.append(Target("baseline", port, API_KEY))
-    stack.cpu_pids["baseline"] = [(service.proc.pid, False)]
+    url = f"{'https' if tls is not None else 'http'}://127.0.0.1:{port}/health"
+    verify: ssl.SSLContext | bool = tls if tls is not None else True
+    if not wait_http(service, url, 60, verify=verify):
+        raise SystemExit(f"{service.name} never became ready:\n{service.tail()}")
+    upstream_pid = int(httpx.get(url, timeout=5, trust_env=False, verify=verify).json()["pid"])
+    stack.targets.append(Target(service.name, port, API_KEY, tls=tls))
+    stack.cpu_pids[service.name] = [(service.proc.pid, False)]
     stack.cpu_pids["upstream"].append((upstream_pid, False))
-    stack.notes.append(f"baseline: the appliance of {root} ({_commit(root)}), over its own "
-                       "synthetic upstream")
+    stack.notes.append(f"{service.name}: {note}")
 
 
 def _commit(root: Path) -> str:
