@@ -150,7 +150,7 @@ class CostWatch:
                 self._norm.append(gap)
         followed.last_event = now
         followed.tokens += events
-        if self._constrained:  # (an event's cost while none is: this test)
+        if self._constrained:  # while none is at the engine, an event costs only this test
             self._judge()
 
     def _judge(self) -> None:

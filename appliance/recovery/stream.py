@@ -47,7 +47,8 @@ def _key(name: str) -> bytes:
 
 _PROMPT_KEY = _key(TokenIds.PROMPT)
 _GENERATED_KEY = _key(TokenIds.GENERATED)
-_IDS = re.compile(rb'"' + TokenIds.GENERATED.encode() + rb'":\[([^\]]*)\]')  # one event's
+# One event's generated ids, in the group (an empty group: an event with none).
+_IDS = re.compile(rb'"' + TokenIds.GENERATED.encode() + rb'":\[([^\]]*)\]')
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,8 @@ class StreamRecord(Record):
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
-        if self._steady:  # the hot path: most of a stream (_keep, inline)
-            if events:
-                self._kept.append(events)
-                self._kept_bytes += len(events)
-                if self._kept_bytes > KEPT_BYTES:
-                    self._read_kept()
+        if self._steady:  # the hot path: most of a stream
+            self._keep(events)
             return events
         out: list[bytes] = []
         at = 0
