@@ -431,7 +431,9 @@ def main() -> None:
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sockets = [tcp, unix]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    asyncio.run(server.serve(sockets=sockets))
+    import uvloop
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(server.serve(sockets=sockets))
 
 
 if __name__ == "__main__":
