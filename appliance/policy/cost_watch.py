@@ -30,15 +30,13 @@ import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 from prometheus_client import Counter
 
 from appliance.errors import ApiError, BadRequest
-from appliance.policy.constraints import find_constraints
 from appliance.settings import ConstraintSettings
 
 log = structlog.get_logger("appliance.cost")
@@ -90,8 +88,25 @@ class Followed:
     verdict: Verdict | None = field(default=None)
 
     def progressed(self, events: int) -> None:
-        """`events` stream events arrived together (one token each, lately)."""
-        self.watch.progressed(self, events)
+        """`events` stream events arrived together (one token each, lately). Once per token of
+        every stream: while no constrained request is at the engine, a gap only feeds the norm
+        (one that began then can never make a window that condemns a constrained request, as
+        none was at the engine when it began; see CostWatch.judge)."""
+        if not self.watched:
+            return  # aborted: what still arrives before the cancellation lands is not judged
+        watch = self.watch
+        now = watch.clock()
+        last, self.last_event = self.last_event, now
+        self.tokens += events
+        if last is None:
+            return  # the first is the queue's and the prefill's time
+        gap = (now - last) / (events or 1)
+        if not watch.constrained:
+            watch.norm.append(gap)
+            return
+        self.gaps.append(gap)
+        self.began.append(last)
+        watch.judge()
 
 
 class CostWatch:
@@ -101,29 +116,31 @@ class CostWatch:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._limits = limits
         self._aborted = aborted
-        self._clock = clock
-        self._norm: deque[float] = deque(maxlen=_NORM_GAPS)
+        self.clock = clock
+        self.norm: deque[float] = deque(maxlen=_NORM_GAPS)  # gaps while none is constrained
         self._at_engine: list[Followed] = []  # oldest first
-        self._constrained = 0  # of them: while none is, an event costs no look at the others
+        self.constrained = 0  # of them: while none is, an event costs no look at the others
 
     @contextlib.contextmanager
-    def follow(self, body: Mapping[str, Any], abort: Callable[[], None], *,
+    def follow(self, constraint: str | None, abort: Callable[[], None], *,
                engine_work: bool = True) -> Iterator[Followed]:
-        """While the request is at the engine. `abort` cancels its exchange; a peer that comes
+        """While the request is at the engine; `constraint` names its output constraint (the
+        gate found it), None if it has none. `abort` cancels its exchange; a peer that comes
         while the engine is already slow gets the costly one aborted at once. A request that is
         no engine work (a pass-through: models, tokenize, a stored response) is not followed."""
-        constraint = next((param for param, _, _ in find_constraints(body)), None)
         window = self._limits.slow_tokens
-        followed = Followed(self, self._clock(), constraint, abort, deque(maxlen=window),
+        followed = Followed(self, self.clock(), constraint, abort, deque(maxlen=window),
                             deque(maxlen=window))
         if not engine_work:
             followed.watched = False
             yield followed
             return
+        if constraint is not None and not self.constrained:
+            self._restart_windows()  # gaps kept from an earlier one's time can condemn nobody
         self._at_engine.append(followed)
-        self._constrained += constraint is not None
+        self.constrained += constraint is not None
         try:
-            self._judge()
+            self.judge()
             yield followed
         finally:
             self._forget(followed)
@@ -132,29 +149,20 @@ class CostWatch:
         if followed.watched:  # an aborted one already is forgotten
             followed.watched = False
             self._at_engine.remove(followed)
-            self._constrained -= followed.constraint is not None
+            self.constrained -= followed.constraint is not None
+
+    def _restart_windows(self) -> None:
+        for peer in self._at_engine:  # judged again only on steps taken from now on
+            peer.gaps.clear()
+            peer.began.clear()
 
     def norm_s(self) -> float:
         floor = self._limits.slow_norm_floor_s
-        return max(statistics.median(self._norm), floor) if self._norm else floor
+        return max(statistics.median(self.norm), floor) if self.norm else floor
 
-    def progressed(self, followed: Followed, events: int) -> None:
-        if not followed.watched:
-            return  # aborted: what still arrives before the cancellation lands is not judged
-        now = self._clock()
-        if followed.last_event is not None:  # the first is the queue's and the prefill's time
-            gap = (now - followed.last_event) / max(events, 1)
-            followed.gaps.append(gap)
-            followed.began.append(followed.last_event)
-            if not self._constrained:
-                self._norm.append(gap)
-        followed.last_event = now
-        followed.tokens += events
-        if self._constrained:  # while none is at the engine, an event costs only this test
-            self._judge()
-
-    def _judge(self) -> None:
-        if not (self._limits.abort_when_slow and self._constrained and len(self._at_engine) > 1):
+    def judge(self) -> None:
+        """Aborts the constrained request that keeps the engine slow, if one does (above)."""
+        if not (self._limits.abort_when_slow and self.constrained and len(self._at_engine) > 1):
             return  # no request of the costly class, or one alone: it slows nobody else
         norm = self.norm_s()
         bound = norm * self._limits.slow_factor
@@ -169,11 +177,9 @@ class CostWatch:
         if suspect is None or suspect.constraint is None:
             return
         suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
-                                  suspect.tokens, self._clock() - suspect.since,
+                                  suspect.tokens, self.clock() - suspect.since,
                                   len(self._at_engine) - 1)
         self._forget(suspect)
-        for peer in self._at_engine:  # judged again only on steps taken after this abort
-            peer.gaps.clear()
-            peer.began.clear()
+        self._restart_windows()  # judged again only on steps taken after this abort
         self._aborted.inc()
         suspect.abort()

@@ -10,13 +10,19 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from appliance.policy.constraints import check_constraints
 from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.settings import ConstraintSettings
 
-GRAMMAR = {"structured_outputs": {"grammar": "root ::= s\ns ::= s s s | s s | [a-z ]"}}
-SCHEMA = {"response_format": {"type": "json_schema",
-                              "json_schema": {"name": "x", "schema": {"type": "object"}}}}
-PLAIN: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+# Each request as the watch follows it: by its constraint's parameter, as the gate names it.
+GRAMMAR = check_constraints(
+    {"structured_outputs": {"grammar": "root ::= s\ns ::= s s s | s s | [a-z ]"}},
+    ConstraintSettings())
+SCHEMA = check_constraints(
+    {"response_format": {"type": "json_schema",
+                         "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    ConstraintSettings())
+PLAIN = check_constraints({"messages": [{"role": "user", "content": "hi"}]}, ConstraintSettings())
 
 
 class Clock:
@@ -37,9 +43,9 @@ class Bench:
         self.aborted: list[str] = []
         self.stack = contextlib.ExitStack()
 
-    def follow(self, name: str, body: dict[str, Any]) -> Followed:
+    def follow(self, name: str, constraint: str | None) -> Followed:
         return self.stack.enter_context(
-            self.watch.follow(body, lambda: self.aborted.append(name)))
+            self.watch.follow(constraint, lambda: self.aborted.append(name)))
 
     def tokens(self, followed: list[Followed], count: int, step_s: float) -> None:
         """`count` engine steps of `step_s`, each giving every streamed request a token."""
@@ -153,3 +159,34 @@ def test_a_pass_through_is_no_peer_and_its_progress_is_not_judged() -> None:
         with b.watch.follow({}, lambda: None, engine_work=False) as passing:
             b.tokens([costly, passing], 10, 5.0)
         assert b.aborted == []
+
+
+def test_steps_slow_before_a_constrained_request_came_are_not_held_against_it() -> None:
+    """Gaps that began before it was at the engine cannot condemn it (while no constrained
+    request is there, a token only feeds the norm); the steps it shares can."""
+    with bench() as b:
+        plain = [b.follow("a", PLAIN), b.follow("b", PLAIN)]
+        b.tokens(plain, 30, 0.05)  # the norm
+        b.tokens(plain, 10, 1.0)  # slow, with no constrained request at the engine
+        costly = b.follow("costly", GRAMMAR)
+        b.tokens([*plain, costly], 2, 1.0)  # of a window of 3, the first began before it came
+        assert b.aborted == []
+        b.tokens([*plain, costly], 1, 1.0)
+        assert b.aborted == ["costly"]
+
+
+def test_a_window_kept_from_an_earlier_constrained_request_hides_no_later_one() -> None:
+    """A stream that stalled with a window of slow gaps that condemned nobody (its first gap
+    began before the constrained request of its time came) does not stand in the way of the
+    next constrained request's judgement."""
+    with bench() as b:
+        stalled, victim = b.follow("stalled", PLAIN), b.follow("victim", PLAIN)
+        b.tokens([stalled, victim], 20, 0.05)
+        b.tokens([stalled], 1, 1.0)  # slow, with no constrained request at the engine
+        with b.watch.follow(SCHEMA, lambda: b.aborted.append("first")):
+            b.tokens([stalled], 2, 1.0)  # then the stream stalls
+        assert b.aborted == []
+        b.tokens([victim], 5, 0.05)
+        costly = b.follow("costly", GRAMMAR)
+        b.tokens([victim, costly], 3, 1.0)
+        assert b.aborted == ["costly"]
