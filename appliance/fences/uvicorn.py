@@ -74,14 +74,6 @@ class ApiServer(uvicorn.Server):
                     await self._stopping.wait()
 
 
-def _takes_body(cycle: Any) -> bool:
-    """Whether uvicorn's cycle takes a chunk of the body written straight to its transport."""
-    # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
-    # hears of it on a later turn of the loop, and a closed transport refuses writes.
-    return not (cycle.disconnected or cycle.flow.write_paused or cycle.response_complete
-                or not cycle.chunked_encoding or cycle.transport.is_closing())
-
-
 class ClientLink:
     """One request's link to its client's connection, for the relay: it writes a streamed
     answer's body straight to the connection, and it says when the client is gone.
@@ -107,16 +99,25 @@ class ClientLink:
         self._gone: Callable[[], None] | None = None
 
     def writable(self) -> bool:
-        """Whether `write` would take a body now (the relay asks before it reads one)."""
+        """Whether uvicorn's cycle takes a chunk of the body written straight to its transport
+        now (the relay asks before it reads one)."""
         cycle = self._cycle()
-        return cycle is not None and _takes_body(cycle)
+        # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
+        # hears of it on a later turn of the loop, and a closed transport refuses writes.
+        return cycle is not None and not (
+            cycle.disconnected or cycle.flow.write_paused or cycle.response_complete
+            or not cycle.chunked_encoding or cycle.transport.is_closing())
 
     def write(self, body: bytes) -> bool:
-        cycle = self._cycle()
-        if cycle is None or not _takes_body(cycle):
+        if not self.writable():
             return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        self.put(body)
         return True
+
+    def put(self, body: bytes) -> None:
+        """`write` with no question asked: only in the callback where `writable()` said yes
+        (nothing can change between them; a stream's every event asks once, not twice)."""
+        self._cycle().transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` once if the client goes before its answer is complete (at once if

@@ -59,6 +59,12 @@ class Continuation:
     body: bytes | None  # None: no body (a pass-through)
 
 
+def asks_any(body: Mapping[str, Any], fields: frozenset[str]) -> bool:
+    """Whether the body gives any of these fields a value that asks for something (such a
+    field keeps a stream from resuming: its answer's state is more than its tokens)."""
+    return any(body[name] not in (None, False, [], "", 0) for name in fields.intersection(body))
+
+
 # A JSON request to the worker now serving (route, payload): its status and body.
 WorkerCall = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
 
@@ -130,17 +136,22 @@ class StreamRecord(Record):
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
+        if self._steady and chunk.endswith(_END) and not self._events.partial:
+            # The hot path, most of a stream's events: a read of whole events, kept as it came
+            # (once per token: written out here, as a call costs more than the work).
+            self._kept.append(chunk)
+            self._kept_bytes += len(chunk)
+            if self._kept_bytes > KEPT_BYTES:
+                self._read_kept()
+            return chunk
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
-        if self._steady:  # the hot path: most of a stream
-            self._keep(events)
-            return events
         out: list[bytes] = []
         at = 0
         while at < len(events) and not self._steady:  # one at a time until the first is read
             end = events.find(_END, at) + len(_END)
             out.append(self._event(events[at:end]))
             at = end
-        if rest := events[at:]:  # the rest of the read that made the stream steady
+        if rest := events[at:]:  # what the read held after the first event, or cut at its end
             self._keep(rest)
             out.append(rest)
         return b"".join(out)
