@@ -76,8 +76,7 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
             if self._in_head:
                 self._head_bytes += size
                 if self._head_bytes > server.max_header_bytes:
-                    self._refuse(HeadersTooLarge("request head too large (setting "
-                                                 "server.max_header_bytes)", code="head_too_large"))
+                    self._too_large()
 
         def read_begins(self) -> None:
             if self._in_head and self._head_timer is None:
@@ -88,8 +87,11 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
             if self._head_timer is None:  # a pipelined request, in the read that ended one
                 self._arm_head_timer()
 
+        # The head as parsed so far, bounded even when it all came in one read (the happy
+        # path of a header costs no call: once per header of every request).
         def url_seen(self, size: int) -> bool:
-            return self._count_parsed(size)
+            self._parsed_bytes += size
+            return self._parsed_bytes <= server.max_header_bytes or self._too_large()
 
         def header_seen(self, size: int) -> bool:
             self._header_count += 1
@@ -97,16 +99,13 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
                 self._refuse(HeadersTooLarge("too many headers (setting server.max_headers)",
                                              code="too_many_headers"))
                 return False
-            return self._count_parsed(size)
-
-        def _count_parsed(self, size: int) -> bool:
-            """The head as parsed so far: bounded even when it all came in one read."""
             self._parsed_bytes += size
-            if self._parsed_bytes > server.max_header_bytes:
-                self._refuse(HeadersTooLarge("request head too large (setting "
-                                             "server.max_header_bytes)", code="head_too_large"))
-                return False
-            return True
+            return self._parsed_bytes <= server.max_header_bytes or self._too_large()
+
+        def _too_large(self) -> bool:
+            self._refuse(HeadersTooLarge("request head too large (setting "
+                                         "server.max_header_bytes)", code="head_too_large"))
+            return False
 
         def head_done(self) -> None:
             self._in_head, self._head_bytes = False, 0

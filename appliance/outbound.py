@@ -65,6 +65,9 @@ class Outbound(Protocol):
     @property
     def record(self) -> Record | None: ...  # what its stream keeps to go on after a fault
 
+    @property
+    def constraint(self) -> str | None: ...  # its output constraint's parameter, for the cost watch
+
     def body(self) -> bytes | None: ...
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
@@ -101,6 +104,7 @@ class PassThrough(StreamAsked):
     client_name: str = ""  # a pass-through is nobody's work: no slot, not metered
     prompt_tokens: None = None
     record: None = None  # nothing generated: a pass-through is sent again whole
+    constraint: None = None
 
     @property
     def shape(self) -> ErrorShape:

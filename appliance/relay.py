@@ -172,7 +172,7 @@ class Relay:
             with watch:
                 async with outbound.slot(deps.admission) as meter, \
                         contextlib.AsyncExitStack() as self._exits:
-                    with deps.cost.follow(outbound.payload, watch.too_costly,
+                    with deps.cost.follow(outbound.constraint, watch.too_costly,
                                           engine_work=not isinstance(outbound, PassThrough)
                                           ) as self._cost:
                         last = await self._answer(send, watch, meter)
@@ -386,7 +386,7 @@ class Relay:
         if self._record is not None:
             chunk = self._record.take(chunk)
         if chunk:
-            link.write(chunk)
+            link.put(chunk)
             self._relayed(chunk)
         return True
 

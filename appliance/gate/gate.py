@@ -59,6 +59,7 @@ class Vetted(StreamAsked):
     priority: int | None = None  # for the worker's priority scheduler; None: not sent
     prompt_tokens: int | None = None  # counted exactly by the budget fit, for the meter
     record: Record | None = None  # what its stream keeps to go on after an engine fault
+    constraint: str | None = None  # its output constraint's parameter (the first, if several)
     added: bytes = b""  # fields added to the raw body, where nothing else changed it
 
     @property
@@ -124,12 +125,13 @@ class Gate:
             policy.check_media(media, multimodal=self._multimodal, max_images=limits.max_images,
                                max_image_bytes=limits.max_image_bytes,
                                allowed_hosts=limits.allowed_media_hosts)
-        check_constraints(body, self._settings.constraints, allowed=client.output_constraints)
+        constraint = check_constraints(body, self._settings.constraints,
+                                       allowed=client.output_constraints)
         changed = api.adjust(body, self._settings)
         defaulted = bool(api.budget_fields) and apply_default_budget(
             body, api.budget_fields, limits.default_max_tokens)
         vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
-                        client=client)
+                        client=client, constraint=constraint)
         self._apply_client(vetted)
         if self._settings.resume.enabled:
             self._keep_record(vetted)

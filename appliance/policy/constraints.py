@@ -53,9 +53,12 @@ class Shape:
 
 
 def check_constraints(body: Mapping[str, Any], limits: ConstraintSettings, *,
-                      allowed: bool = True) -> None:
-    """Every output constraint of the body within its limits; else 400 naming its parameter."""
+                      allowed: bool = True) -> str | None:
+    """Every output constraint of the body within its limits; else 400 naming its parameter.
+    The first one's parameter (what the cost watch names the request by), None if none."""
+    first = None
     for param, kind, value in find_constraints(body):
+        first = first or param
         if not (allowed and limits.enabled):
             raise BadRequest(f"'{param}' constrains the output, and output constraints are off "
                              "for this client (settings constraints.enabled, a client's "
@@ -68,6 +71,7 @@ def check_constraints(body: Mapping[str, Any], limits: ConstraintSettings, *,
             check_choices(value, param, limits)
         else:
             check_schema(value, param, limits)
+    return first
 
 
 def find_constraints(body: Mapping[str, Any]) -> Iterator[tuple[str, str, Any]]:

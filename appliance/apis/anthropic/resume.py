@@ -21,18 +21,19 @@ import msgspec
 
 from appliance.apis.shape import sse_event
 from appliance.fences.vllm import MESSAGES_RENDER
+from appliance.recovery.stream import asks_any
 from appliance.recovery.text import TextRecord
 
 # Fields whose presence (with a value that asks for something) keeps a stream from resuming.
-_STATEFUL = ("tools", "stop_sequences", "return_mm_kwargs", "kv_transfer_params",
-             "ec_transfer_params")
+_STATEFUL = frozenset(("tools", "stop_sequences", "return_mm_kwargs", "kv_transfer_params",
+                       "ec_transfer_params"))
 
 
 def plain_message(body: Mapping[str, Any]) -> bool:
     """Whether a streamed body's answer is plain text, continued from its text alone."""
     if body.get("stream") is not True:
         return False
-    if any(body.get(name) not in (None, False, [], "", 0) for name in _STATEFUL):
+    if asks_any(body, _STATEFUL):
         return False
     thinking = body.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") != "disabled":

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.recovery.stream import StreamRecord, sse
+from appliance.recovery.stream import StreamRecord, asks_any, sse
 
 # The sampling fields a continuation carries over as they are: each means the same to a
 # completions request as to the chat or completions request it continues.
@@ -33,19 +33,19 @@ _CARRIED = (
     "cache_salt", "vllm_xargs", "user", "stream_interval",
 )
 # Fields whose presence (with a value that asks for something) keeps a stream from resuming.
-_STATEFUL = (
+_STATEFUL = frozenset((
     "stop", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "best_of",
     "use_beam_search", "structured_outputs", "tools", "prompt_embeds",
     "return_tokens_as_token_ids", "return_token_offsets", "return_mm_kwargs",
     "kv_transfer_params", "ec_transfer_params", "logprob_token_ids", "thinking_token_budget",
-)
+))
 
 
 def plain_stream(body: Mapping[str, Any]) -> bool:
     """Whether a streamed body's tokens alone say where it stands (see the module's doc)."""
     if body.get("stream") is not True or body.get("n") not in (None, 1):
         return False
-    if any(body.get(name) not in (None, False, [], "", 0) for name in _STATEFUL):
+    if asks_any(body, _STATEFUL):
         return False
     response_format = body.get("response_format")
     if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):

@@ -29,15 +29,16 @@ import msgspec
 
 from appliance.apis.shape import sse_event
 from appliance.fences.vllm import RESPONSES_RENDER
+from appliance.recovery.stream import asks_any
 from appliance.recovery.text import TextRecord
 
 _SEQUENCE = re.compile(rb'"sequence_number":(\d+)')
 # Fields whose presence (with a value that asks for something) keeps a stream from resuming.
-_STATEFUL = (
+_STATEFUL = frozenset((
     "tools", "previous_response_id", "background", "top_logprobs", "structured_outputs", "stop",
     "enable_response_messages", "previous_input_messages", "return_mm_kwargs",
     "kv_transfer_params", "ec_transfer_params",
-)
+))
 _TEXT_PART = {"annotations": [], "text": "", "type": "output_text", "logprobs": []}
 
 
@@ -45,7 +46,7 @@ def plain_response(body: Mapping[str, Any]) -> bool:
     """Whether a streamed body's answer is plain text, continued from its text alone."""
     if body.get("stream") is not True:
         return False
-    if any(body.get(name) not in (None, False, [], "", 0) for name in _STATEFUL):
+    if asks_any(body, _STATEFUL):
         return False
     include = body.get("include")
     if isinstance(include, list) and any("logprobs" in str(item) for item in include):

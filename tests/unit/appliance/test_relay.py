@@ -23,6 +23,7 @@ from appliance.errors import ApiError, NotFound, engine_lost
 from appliance.gate.gate import Vetted
 from appliance.metrics import RequestMetrics
 from appliance.outbound import PassThrough
+from appliance.policy.constraints import check_constraints
 from appliance.policy.cost_watch import CostWatch
 from appliance.recovery.quarantine import Quarantine
 from appliance.relay import Relay, RelayDeps
@@ -155,7 +156,9 @@ class Setup:
 
 def chat(stream: bool = False, api: Any = CHAT, **extra: Any) -> Vetted:
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
-    return Vetted(api, body, json.dumps(body).encode())
+    # Named by its constraint as the gate names it (test_gate: the gate sets it).
+    return Vetted(api, body, json.dumps(body).encode(),
+                  constraint=check_constraints(body, ConstraintSettings()))
 
 
 GRAMMAR = {"structured_outputs": {"grammar": "root ::= s\ns ::= s s s | s s | [a-z ]"}}
@@ -429,7 +432,7 @@ async def test_a_too_costly_stream_is_ended_with_request_too_costly_logged_and_c
 
     events = [b"data: %d\n\n" % i for i in range(8)] + [b"data: [DONE]\n\n"]
     setup = Setup(Worker(Reply(200, events, pause)), cost_clock=Slow())
-    with capture_logs() as logs, setup.cost.follow({}, lambda: None):  # the other request
+    with capture_logs() as logs, setup.cost.follow(None, lambda: None):  # the other request
         await setup.run(chat(stream=True, **GRAMMAR))
     body = setup.client.body
     assert setup.client.status == 200 and b"data: 3\n\n" in body and b"data: 7" not in body
@@ -453,7 +456,7 @@ async def test_a_too_costly_answer_not_yet_begun_is_a_400_in_the_routes_shape() 
     setup = Setup(Worker(Waiting(200, [])), cost_clock=Slow())
 
     async def peer() -> None:
-        with setup.cost.follow({}, lambda: None) as followed:
+        with setup.cost.follow(None, lambda: None) as followed:
             await peer_tokens.wait()
             for _ in range(4):
                 followed.progressed(1)

@@ -51,7 +51,11 @@ def test_an_output_constraint_is_vetted_at_the_gate_and_per_client() -> None:
     assert caught.value.param == "structured_outputs.regex"
     plain = json.dumps({"messages": [{"role": "user", "content": "x"}],
                         "structured_outputs": {"choice": ["a", "b"]}}).encode()
-    assert gate().vet_now(plain, CHAT).payload["structured_outputs"]["choice"] == ["a", "b"]
+    vetted = gate().vet_now(plain, CHAT)
+    assert vetted.payload["structured_outputs"]["choice"] == ["a", "b"]
+    # The cost watch follows it by the parameter the gate found (no second search per request).
+    assert vetted.constraint == "structured_outputs.choice"
+    assert gate().vet_now(chat([{"role": "user", "content": "x"}]), CHAT).constraint is None
     with pytest.raises(BadRequest) as refused:
         gate().vet_now(plain, CHAT, Client("strict", output_constraints=False))
     assert refused.value.code == "constraints_not_allowed"
