@@ -173,8 +173,8 @@ class Relay:
                 async with outbound.slot(deps.admission) as meter, \
                         contextlib.AsyncExitStack() as self._exits:
                     with deps.cost.follow(outbound.constraint, watch.too_costly,
-                                          engine_work=not isinstance(outbound, PassThrough)
-                                          ) as self._cost:
+                                          engine_work=not isinstance(outbound, PassThrough),
+                                          streamed=outbound.stream) as self._cost:
                         last = await self._answer(send, watch, meter)
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
@@ -395,7 +395,8 @@ class Relay:
         if not self._answering:
             self._answer_began()
         self._so_far.relayed(chunk)
-        self._cost.progressed(chunk.count(b"data:"))
+        if self._cost.measuring:  # most streams' tokens are not timed (CostWatch.timed)
+            self._cost.progressed(chunk.count(b"data:"))
 
     def _answer_began(self) -> None:
         """The first chunk of an exchange: the worker took the request up."""

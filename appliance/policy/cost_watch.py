@@ -82,18 +82,20 @@ class Followed:
     abort: Callable[[], None]
     gaps: deque[float]  # seconds a token, its last few
     began: deque[float]  # when each of those gaps began
+    streamed: bool = True  # its events are seen (a non-streamed answer shows no progress)
     last_event: float | None = None
     tokens: int = 0
     watched: bool = True  # at the engine, not yet aborted: its progress is judged
+    measuring: bool = False  # its tokens are timed now (CostWatch.timed): the relay asks first
     verdict: Verdict | None = field(default=None)
 
     def progressed(self, events: int) -> None:
-        """`events` stream events arrived together (one token each, lately). Once per token of
-        every stream: while no constrained request is at the engine, a gap only feeds the norm
-        (one that began then can never make a window that condemns a constrained request, as
-        none was at the engine when it began; see CostWatch.judge)."""
-        if not self.watched:
-            return  # aborted: what still arrives before the cancellation lands is not judged
+        """`events` stream events arrived together (one token each, lately). Once per token
+        while the request is `measuring`: while no constrained request is at the engine, a gap
+        only feeds the norm (one that began then can never make a window that condemns a
+        constrained request, as none was at the engine when it began; see CostWatch.judge)."""
+        if not self.measuring:
+            return  # not timed now, or aborted (what still arrives before the cancellation lands)
         watch = self.watch
         now = watch.clock()
         last, self.last_event = self.last_event, now
@@ -120,25 +122,28 @@ class CostWatch:
         self.norm: deque[float] = deque(maxlen=_NORM_GAPS)  # gaps while none is constrained
         self._at_engine: list[Followed] = []  # oldest first
         self.constrained = 0  # of them: while none is, an event costs no look at the others
+        self._timer: Followed | None = None  # the stream that times the steps for the norm
 
     @contextlib.contextmanager
     def follow(self, constraint: str | None, abort: Callable[[], None], *,
-               engine_work: bool = True) -> Iterator[Followed]:
+               engine_work: bool = True, streamed: bool = True) -> Iterator[Followed]:
         """While the request is at the engine; `constraint` names its output constraint (the
         gate found it), None if it has none. `abort` cancels its exchange; a peer that comes
         while the engine is already slow gets the costly one aborted at once. A request that is
         no engine work (a pass-through: models, tokenize, a stored response) is not followed."""
         window = self._limits.slow_tokens
         followed = Followed(self, self.clock(), constraint, abort, deque(maxlen=window),
-                            deque(maxlen=window))
+                            deque(maxlen=window), streamed)
         if not engine_work:
             followed.watched = False
             yield followed
             return
-        if constraint is not None and not self.constrained:
+        first_constrained = constraint is not None and not self.constrained
+        if first_constrained:
             self._restart_windows()  # gaps kept from an earlier one's time can condemn nobody
         self._at_engine.append(followed)
         self.constrained += constraint is not None
+        self.timed(everyone=first_constrained, newcomer=followed)
         try:
             self.judge()
             yield followed
@@ -147,9 +152,30 @@ class CostWatch:
 
     def _forget(self, followed: Followed) -> None:
         if followed.watched:  # an aborted one already is forgotten
-            followed.watched = False
+            followed.watched = followed.measuring = False
             self._at_engine.remove(followed)
             self.constrained -= followed.constraint is not None
+            if followed is self._timer:
+                self._timer = None
+            # The last constrained one gone: the oldest stream alone times the steps again.
+            self.timed(everyone=followed.constraint is not None and not self.constrained)
+
+    def timed(self, everyone: bool = False, newcomer: Followed | None = None) -> None:
+        """Which streams time their tokens (once per token, the relay asks `measuring` first):
+        while a constrained request is at the engine, every stream (each is judged); else the
+        oldest alone, for the norm (a step gives each request at the engine a token: one
+        stream's gaps are the steps). A stream that starts timing begins no gap with its first
+        token (the one before it was not timed). `everyone`: the set changed for all of them;
+        else only `newcomer` joined, or the stream that timed the steps left."""
+        if everyone:
+            for peer in self._at_engine:
+                _timing(peer, bool(self.constrained) or peer is self._timer)
+        elif newcomer is not None and self.constrained:
+            _timing(newcomer, True)
+        if not self.constrained and self._timer is None:
+            self._timer = next((peer for peer in self._at_engine if peer.streamed), None)
+            if self._timer is not None:
+                _timing(self._timer, True)
 
     def _restart_windows(self) -> None:
         for peer in self._at_engine:  # judged again only on steps taken from now on
@@ -183,3 +209,10 @@ class CostWatch:
         self._restart_windows()  # judged again only on steps taken after this abort
         self._aborted.inc()
         suspect.abort()
+
+
+def _timing(followed: Followed, on: bool) -> None:
+    on = on and followed.streamed
+    if on and not followed.measuring:
+        followed.last_event = None  # the token before was not timed: no gap from it
+    followed.measuring = on

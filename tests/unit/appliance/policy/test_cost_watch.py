@@ -188,5 +188,32 @@ def test_a_window_kept_from_an_earlier_constrained_request_hides_no_later_one() 
         assert b.aborted == []
         b.tokens([victim], 5, 0.05)
         costly = b.follow("costly", GRAMMAR)
-        b.tokens([victim, costly], 3, 1.0)
+        # The victim's tokens are timed from now (the stalled stream timed the norm): its
+        # first begins no gap, the next three fill its window.
+        b.tokens([victim, costly], 4, 1.0)
         assert b.aborted == ["costly"]
+
+
+def test_one_stream_times_the_steps_while_none_is_constrained_every_stream_while_one_is() -> None:
+    """A step gives each request at the engine a token, so the oldest stream's gaps are the norm;
+    the others' tokens cost nothing to watch. With a constrained request there, every stream is
+    timed (any of them may show the slow steps); the oldest takes over when it leaves."""
+    with bench() as b:
+        first, second = b.follow("first", PLAIN), b.follow("second", PLAIN)
+        assert (first.measuring, second.measuring) == (True, False)
+        with b.watch.follow(None, lambda: None, streamed=False) as quiet:
+            assert not quiet.measuring  # a non-streamed answer shows no tokens to time
+        b.tokens([first, second], 5, 0.05)
+        assert len(b.watch.norm) == 4  # the first stream's gaps alone
+        with b.watch.follow(GRAMMAR, lambda: None) as costly:
+            assert first.measuring and second.measuring and costly.measuring
+        assert (first.measuring, second.measuring) == (True, False)
+    with bench() as b:
+        with b.watch.follow(PLAIN, lambda: None) as first:
+            second = b.follow("second", PLAIN)
+            b.tokens([first, second], 3, 0.05)
+        assert second.measuring  # the oldest left: the next times the steps, from its next token
+        b.tokens([second], 1, 9.0)
+        assert len(b.watch.norm) == 2  # that token began no gap
+        b.tokens([second], 2, 0.05)
+        assert b.watch.norm_s() == pytest.approx(0.05)
