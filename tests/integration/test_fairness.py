@@ -99,12 +99,15 @@ def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance
         finished.append(tag)
 
     with ThreadPoolExecutor(3) as pool:
-        done = [pool.submit(run, "flood", "first", 96)]  # runs while the others arrive
+        # Long enough that the others surely arrive while it runs (96 tokens, ~8 s here, were
+        # once not: under a loaded CI run the urgent one came after it ended).
+        done = [pool.submit(run, "flood", "first", 192)]
         until(lambda: engine_stats(fair).running == 1)
         done.append(pool.submit(run, "flood", "backlog"))
         until(lambda: engine_stats(fair).waiting == 1)
         done.append(pool.submit(run, "urgent", "urgent"))
         until(lambda: engine_stats(fair).waiting == 2 or len(finished) > 0)
+        assert not finished, "the first request ended before both others waited: nothing shown"
         for future in done:
             future.result()
     assert finished == ["first", "urgent", "backlog"]
