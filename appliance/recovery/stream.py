@@ -137,12 +137,7 @@ class StreamRecord(Record):
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
         if self._steady and chunk.endswith(_END) and not self._events.partial:
-            # The hot path, most of a stream's events: a read of whole events, kept as it came
-            # (once per token: written out here, as a call costs more than the work).
-            self._kept.append(chunk)
-            self._kept_bytes += len(chunk)
-            if self._kept_bytes > KEPT_BYTES:
-                self._read_kept()
+            self._keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
             return chunk
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
         out: list[bytes] = []
