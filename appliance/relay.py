@@ -36,6 +36,7 @@ from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
 from appliance.recovery.stream import Continuation
 from appliance.settings import ResumeSettings
+from appliance.sse import END as EVENT_END
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -147,7 +148,7 @@ class Relay:
         # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
         # in its converter's words (one search per chunk either way).
         self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
-        self._so_far = StreamSoFar(outbound.payload)  # what a stream's ending must know
+        self._last = self._before_last = b""  # the last two chunks relayed (StreamSoFar)
         self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
         self._relayed_any = False  # and some of the body: the request can no longer start over
@@ -379,22 +380,35 @@ class Relay:
             self._sending = False
 
     def _write_direct(self, chunk: bytes) -> bool:
-        link = self._link
+        """One read of the worker, straight to the client's connection; False: the loop in
+        _stream takes it (the client is not keeping up, an ASGI send is under way, or the
+        engine died: that is the loop's to handle). A stream's every event comes here: once its
+        record reads nothing more on the way, an event costs the write, the record's `keep` and
+        `_relayed`."""
+        if self._sending or self._dead in chunk:
+            return False
+        record, link = self._record, self._link
         assert link is not None
-        if self._sending or self._dead in chunk or not link.writable():
-            return False  # the loop takes it (an engine's death is its to handle)
-        if self._record is not None:
-            chunk = self._record.take(chunk)
-        if chunk:
-            link.put(chunk)
-            self._relayed(chunk)
+        if record is not None and not (record.verbatim and chunk.endswith(EVENT_END)):
+            if not link.writable():  # asked before the record takes the chunk: it takes it once
+                return False
+            chunk = record.take(chunk)
+            if chunk:
+                link.write(chunk)
+                self._relayed(chunk)
+            return True
+        if not link.write(chunk):
+            return False
+        if record is not None:
+            record.keep(chunk)
+        self._relayed(chunk)
         return True
 
     def _relayed(self, chunk: bytes) -> None:
         """Each chunk on its way to the client (for a stream from a real worker: each token)."""
         if not self._answering:
             self._answer_began()
-        self._so_far.relayed(chunk)
+        self._before_last, self._last = self._last, chunk  # what a stream's error end reads
         if self._cost.measuring:  # most streams' tokens are not timed (CostWatch.timed)
             self._cost.progressed(chunk.count(b"data:"))
 
@@ -435,7 +449,8 @@ class Relay:
         metrics = self._deps.metrics
         try:
             if self._started:
-                end = stream_error_end(error, self._shape, self._so_far, metrics, route=self._route)
+                so_far = StreamSoFar(self._outbound.payload, self._last, self._before_last)
+                end = stream_error_end(error, self._shape, so_far, metrics, route=self._route)
                 await send({"type": "http.response.body", "body": end, "more_body": False})
                 return
             await error_answer(error, self._shape, self._request_id, metrics,

@@ -19,16 +19,13 @@ from appliance.errors import ApiError, UpstreamError
 _MAX_MESSAGE = 2000  # a worker's pydantic dump can be many kilobytes; the client needs the gist
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamSoFar:
     """What a stream's ending may need to know of the stream it ends."""
 
     request: Mapping[str, Any]  # the body that was forwarded
-    last: bytes = b""  # the last two chunks relayed, as references: no copy on the hot path
+    last: bytes = b""  # the last two chunks relayed (the relay keeps them as it goes)
     before_last: bytes = b""
-
-    def relayed(self, chunk: bytes) -> None:
-        self.before_last, self.last = self.last, chunk
 
 
 class ErrorShape(Protocol):

@@ -100,7 +100,7 @@ class ClientLink:
 
     def writable(self) -> bool:
         """Whether uvicorn's cycle takes a chunk of the body written straight to its transport
-        now (the relay asks before it reads one)."""
+        now (nothing can change it before the caller's callback returns)."""
         cycle = self._cycle()
         # is_closing() too: a connection being closed is not yet `disconnected` until uvicorn
         # hears of it on a later turn of the loop, and a closed transport refuses writes.
@@ -109,15 +109,14 @@ class ClientLink:
             or not cycle.chunked_encoding or cycle.transport.is_closing())
 
     def write(self, body: bytes) -> bool:
-        if not self.writable():
+        """Writes the chunk if `writable()`, in one call: a stream's every event comes here."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or cycle.flow.write_paused \
+                or cycle.response_complete or not cycle.chunked_encoding \
+                or cycle.transport.is_closing():
             return False
-        self.put(body)
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
-
-    def put(self, body: bytes) -> None:
-        """`write` with no question asked: only in the callback where `writable()` said yes
-        (nothing can change between them; a stream's every event asks once, not twice)."""
-        self._cycle().transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
     def on_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` once if the client goes before its answer is complete (at once if

@@ -74,9 +74,16 @@ class Record:
 
     token_ids: ClassVar[bool] = True  # the gate asks the worker for the stream's token ids
     finished = False  # the stream had its last token: an end is all it still needs
+    # A chunk of whole events (ending with an event's end) now goes to the client as it came
+    # and is only kept: the relay writes it, then calls `keep`, with no `take` per event.
+    verbatim = False
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, what a continuation needs kept."""
+        raise NotImplementedError
+
+    def keep(self, chunk: bytes) -> None:
+        """A chunk of whole events that went to the client as it came, while `verbatim`."""
         raise NotImplementedError
 
     @property
@@ -136,8 +143,8 @@ class StreamRecord(Record):
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
-        if self._steady and chunk.endswith(_END) and not self._events.partial:
-            self._keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
+        if self.verbatim and chunk.endswith(_END):
+            self.keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
             return chunk
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
         out: list[bytes] = []
@@ -147,8 +154,9 @@ class StreamRecord(Record):
             out.append(self._event(events[at:end]))
             at = end
         if rest := events[at:]:  # what the read held after the first event, or cut at its end
-            self._keep(rest)
+            self.keep(rest)
             out.append(rest)
+        self.verbatim = self._steady and not self._events.partial
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
@@ -179,12 +187,11 @@ class StreamRecord(Record):
             return event, ids
         return event[:start + len(key) - 1] + _NULL + event[end + 1:], ids
 
-    def _keep(self, data: bytes) -> None:
-        if data:
-            self._kept.append(data)
-            self._kept_bytes += len(data)
-            if self._kept_bytes > KEPT_BYTES:
-                self._read_kept()
+    def keep(self, chunk: bytes) -> None:
+        self._kept.append(chunk)
+        self._kept_bytes += len(chunk)
+        if self._kept_bytes > KEPT_BYTES:
+            self._read_kept()
 
     def _read_kept(self) -> None:
         """The events kept so far read for their ids."""
@@ -242,7 +249,7 @@ class StreamRecord(Record):
         count = self.generated_tokens
         self._events = Events()
         self._continued = True
-        self._steady = False
+        self._steady = self.verbatim = False
         ids = self._prompt + (b"," + bytes(self._generated) if self._generated else b"")
         rest = msgspec.json.encode(self.continued_fields(count))
         return Continuation(self.continued_target, b'{"prompt":[' + ids + b"]," + rest[1:])

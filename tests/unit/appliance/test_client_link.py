@@ -18,6 +18,7 @@ import pytest
 
 from appliance.fences.uvicorn import ClientLink
 from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.relay import Relay
 from appliance.settings import ConstraintSettings, ResumeSettings
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
@@ -28,16 +29,16 @@ CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[bool]]:
-    """What the link said each time the relay asked to write directly: True written, False
-    left to ASGI (the client not keeping up)."""
+    """What the relay said each time a read of the worker came for the client's connection:
+    True written straight to it, False left to ASGI (the client not keeping up)."""
     seen: Counter[bool] = Counter()
-    writable = ClientLink.writable
+    write_direct = Relay._write_direct
 
-    def counted(self: ClientLink) -> bool:
-        seen[result := writable(self)] += 1
+    def counted(self: Relay, chunk: bytes) -> bool:
+        seen[result := write_direct(self, chunk)] += 1
         return result
 
-    monkeypatch.setattr(ClientLink, "writable", counted)
+    monkeypatch.setattr(Relay, "_write_direct", counted)
     yield seen
 
 

@@ -162,9 +162,9 @@ def test_anthropic_error_types_follow_the_status(status: int, kind: str) -> None
 
 
 def test_a_responses_stream_ends_after_the_last_sequence_number_the_client_saw() -> None:
-    so_far = StreamSoFar({"request_id": "resp_1", "model": "m"})
-    so_far.relayed(b'event: response.created\ndata: {"sequence_number":0}\n\n')
-    so_far.relayed(b'event: x\ndata: {"type":"x","sequence_number":7}\n\nevent: x\ndata: {"typ')
+    so_far = StreamSoFar({"request_id": "resp_1", "model": "m"},
+                         last=b'event: x\ndata: {"type":"x","sequence_number":7}\n\nevent: x\ndata: {"typ',
+                         before_last=b'event: response.created\ndata: {"sequence_number":0}\n\n')
     ending = RESPONSES.stream_end(EngineUnavailable("gone", code="engine_lost"), so_far)
     events = [block.split("\n") for block in ending.decode().strip().split("\n\n")]
     assert [lines[0] for lines in events] == ["event: error", "event: response.failed"]
