@@ -8,34 +8,23 @@ a deadlock), and waiting the K failed probes of the health monitor (each a full 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
-
 from appliance.settings import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.worker import Worker
-from supervisor.monitors.progress import Activity, thread_states
+from supervisor.monitors.progress import Activity, cpu_seconds, thread_states
 
 
 def server_activity(worker: Worker, threads: bool) -> Activity | None:
     """The API server process alone (the pid /health names); None once it is gone."""
-    try:
-        times = _process(worker.pid).cpu_times()
-    except psutil.Error:
+    cpu_s = cpu_seconds(worker.pid)
+    if cpu_s is None:
         return None
     runnable, stopped = thread_states(worker.pid) if threads else (0, False)
-    return Activity(times.user + times.system, runnable, stopped)
-
-
-@functools.lru_cache(maxsize=2)
-def _process(pid: int) -> psutil.Process:
-    """One psutil handle per worker, not one per question: making it reads /proc twice (its
-    start time too), twice a second on the serving loop."""
-    return psutil.Process(pid)
+    return Activity(cpu_s, runnable, stopped)
 
 
 @dataclass

@@ -385,6 +385,35 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
             proc.wait()
 
 
+def test_cpu_seconds_follow_the_process_and_end_with_it() -> None:
+    """A spinning process's CPU time as /proc counts it (psutil's figure, to a clock tick),
+    growing; None once the process is gone, from the kept descriptor as from a fresh one."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from supervisor.monitors.progress import cpu_seconds
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 20
+        first = cpu_seconds(spin.pid)
+        assert first is not None
+        while (later := cpu_seconds(spin.pid)) is not None and later < first + 0.2:
+            assert time.monotonic() < deadline, "a spinning process never used CPU"
+            time.sleep(0.05)
+        times = psutil.Process(spin.pid).cpu_times()
+        now = cpu_seconds(spin.pid)
+        assert now is not None and abs(now - (times.user + times.system)) <= 0.05
+    finally:
+        spin.kill()
+        spin.wait()
+    assert cpu_seconds(spin.pid) is None  # its kept descriptor: the process, not the pid
+    assert cpu_seconds(spin.pid) is None  # and then a fresh open finds no such process
+
+
 async def test_engine_activity_reads_the_child_processes_or_the_server_alone() -> None:
     """vLLM runs its engine in the server's children; a worker without children (a synthetic
     upstream) runs it in the server itself, which must then be what is read."""
