@@ -55,6 +55,28 @@ def test_the_client_gets_the_workers_stream_but_the_prompts_ids() -> None:
     assert record.resumable
 
 
+def test_whole_events_pass_verbatim_once_the_first_is_read_and_keep_counts_as_take() -> None:
+    """The relay's direct path writes a verbatim chunk itself and only calls `keep`: the record
+    says when it may (never before the first event's prompt ids are cut, never while an event
+    is cut in two), and what `keep` kept reads as what `take` would have."""
+    kept, taken = ChatRecord(CHAT, ids_visible=False), ChatRecord(CHAT, ids_visible=False)
+    for record in (kept, taken):
+        assert not record.verbatim
+        assert record.take(ROLE_IDS) == ROLE
+        assert record.verbatim
+    split = content(" there", b"665")
+    for chunk in (content("Hello", b"19556"), split[:20], split[20:], HELD):
+        assert taken.take(chunk) == (b"" if chunk == split[:20] else
+                                     split if chunk == split[20:] else chunk)
+        if kept.verbatim and chunk.endswith(b"\n\n"):
+            kept.keep(chunk)
+        else:
+            kept.take(chunk)
+        assert kept.verbatim == (chunk != split[:20])
+    assert kept.generated_tokens == taken.generated_tokens == 3
+    assert kept.continuation() == taken.continuation()
+
+
 def test_a_long_stream_is_read_for_its_ids_as_it_goes_not_kept_whole() -> None:
     record = ChatRecord(CHAT, ids_visible=False)
     record.take(ROLE_IDS)
