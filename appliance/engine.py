@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import hashlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,6 +47,9 @@ class _Held:
     answering: bool = False  # a byte of its answer came from this worker
 
 
+_Unhashed = tuple[Pending, bytes]  # a request and its body as first sent
+
+
 class Waiting:
     """The appliance's own requests waiting on the worker: sent (or being fitted with the
     worker's /tokenize) and not yet answered in full. Work the engine owes, known here even when
@@ -62,8 +64,10 @@ class Waiting:
 
     def __init__(self, cut_kept: int = 64) -> None:
         self._requests: dict[object, _Held] = {}
-        self._named: dict[object, str] = {}  # fingerprints fixed at each request's first send
-        self._cut: deque[tuple[_Held, str | None, int]] = deque(maxlen=cut_kept)
+        # Each request's name, fixed at its first send: its fingerprint, or until one is asked
+        # for (a death, a quarantine with suspects) what it is hashed from.
+        self._named: dict[object, str | _Unhashed] = {}
+        self._cut: deque[tuple[_Held, str | _Unhashed | None, int]] = deque(maxlen=cut_kept)
         self.sent = 0  # requests added so far: a new one is work the engine has not seen
 
     def add(self, key: object, request_id: str, pending: Pending) -> None:
@@ -90,33 +94,38 @@ class Waiting:
         not work a worker owes, nor in flight at a death; its fingerprint is kept."""
         self._requests.pop(key, None)
 
-    @contextlib.contextmanager
-    def holding(self, key: object, request_id: str, pending: Pending) -> Iterator[None]:
-        """The request waits on the worker for the block's length; one that leaves it on an
-        error of 500 or above (the worker unreachable, its own 5xx) is kept as failed."""
+    def holding(self, key: object, request_id: str, pending: Pending) -> Holding:
+        """The request waits on the worker until the returned Holding is left (a context
+        manager); one that leaves it on an error of 500 or above (the worker unreachable, its
+        own 5xx) is kept as failed."""
         self.add(key, request_id, pending)
-        try:
-            yield
-        except ApiError as error:
-            # One set aside when it failed was already told at the death that failed it.
-            if error.status >= 500 and (held := self._requests.get(key)) is not None:
-                self._cut.append((held, self._named.get(key), self.sent))
-            raise
-        else:
-            if (held := self._requests.get(key)) is not None:
+        return Holding(self, key)
+
+    def left(self, key: object, error: BaseException | None) -> None:
+        """The request no longer waits (Holding's exit), on `error` or answered in full."""
+        held = self._requests.get(key)
+        if held is not None:
+            if error is None:
                 while self._cut and self._cut[0][2] <= held.serial:
                     self._cut.popleft()
-        finally:
-            self.discard(key)
+            # One set aside when it failed was already told at the death that failed it.
+            elif isinstance(error, ApiError) and error.status >= 500:
+                self._cut.append((held, self._named.get(key), self.sent))
+        self.discard(key)
+
+    def name(self, key: object, body: bytes | None) -> None:
+        """Fixes the request's name at its first send (`body` as sent then): a request sent
+        again with a changed body (a resumed stream) keeps it. Nothing is hashed until the
+        fingerprint is asked for: most requests never meet a death or a suspect."""
+        if key not in self._named:
+            self._named[key] = (self._requests[key].pending, body or b"")
 
     def fingerprint(self, key: object, body: bytes | None) -> str:
-        """The request's fingerprint, fixed by the first call (its first send, `body` as sent
-        then): a request sent again with a changed body (a resumed stream) keeps its name."""
-        named = self._named.get(key)
-        if named is None:
-            pending = self._requests[key].pending
-            named = self._named[key] = fingerprint(pending.target, pending.client_name,
-                                                   body or b"")
+        """The request's fingerprint, as named by its first send (`name`, or this call)."""
+        self.name(key, body)
+        named = self._named[key]
+        if not isinstance(named, str):
+            named = self._named[key] = _hashed(named)
         return named
 
     def __len__(self) -> int:
@@ -133,12 +142,35 @@ class Waiting:
         return [_described(h, named, failed, bodies) for h, named, failed in held]
 
 
-def _described(held: _Held, named: str | None, failed: bool, bodies: bool) -> dict[str, Any]:
+class Holding:
+    """A request held in Waiting for the block's length (Waiting.holding)."""
+
+    __slots__ = ("_key", "_waiting")
+
+    def __init__(self, waiting: Waiting, key: object) -> None:
+        self._waiting, self._key = waiting, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _kind: object, error: BaseException | None, _tb: object) -> None:
+        self._waiting.left(self._key, error)
+
+
+def _hashed(named: _Unhashed) -> str:
+    pending, body = named
+    return fingerprint(pending.target, pending.client_name, body)
+
+
+def _described(held: _Held, named: str | _Unhashed | None, failed: bool,
+               bodies: bool) -> dict[str, Any]:
     pending = held.pending
     client, raw = pending.client_name, pending.body() or b""
+    if named is None:  # not sent yet: named by its body as it stands
+        named = fingerprint(pending.target, client, raw)
     entry: dict[str, Any] = {
         "request_id": held.request_id, "route": pending.target, "client": client,
-        "fingerprint": named or fingerprint(pending.target, client, raw),
+        "fingerprint": named if isinstance(named, str) else _hashed(named),
         "body_bytes": len(raw), "stream": pending.stream, "failed": failed}
     if bodies:
         entry["body"] = raw.decode("utf-8", "replace")

@@ -237,8 +237,10 @@ class Relay:
             headers[PRIORITY_HEADER] = str(outbound.priority)
         # Never sent again once in flight at resume.quarantine_after engine deaths: one input
         # that crashes the engine must not crash it each time it is retried.
-        deps = self._deps
-        deps.quarantine.check(deps.engine.waiting.fingerprint(self, request.body))
+        deps, waiting = self._deps, self._deps.engine.waiting
+        waiting.name(self, request.body)
+        if deps.quarantine.suspecting:
+            deps.quarantine.check(waiting.fingerprint(self, request.body))
         meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
         assert self._exits is not None
         self._reply = reply = await self._exits.enter_async_context(deps.upstream.exchange(

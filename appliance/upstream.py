@@ -94,8 +94,15 @@ class _Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
         finally:
-            if self._for_sink:
-                self._hand_over()
+            if pending := self._for_sink:
+                # What one read carried goes to the sink in one piece (one write to the client
+                # however many events it held). If the answer ended in the same read, it is left
+                # to the reader instead, which sends it with the end of the response: one write
+                # again. Here, not in a method: a stream's every event comes this way.
+                body = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending.clear()
+                if self.complete or self.sink is None or not self.sink(body):
+                    self._buffer(body)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -118,15 +125,6 @@ class _Connection(asyncio.Protocol):
             self._for_sink.append(body)  # nothing buffered ahead of it: order is kept
             return
         self._buffer(body)
-
-    def _hand_over(self) -> None:
-        """What one read carried goes to the sink in one piece (one write to the client however
-        many events it held). If the answer ended in the same read, it is left to the reader
-        instead, which sends it with the end of the response: one write again."""
-        body = b"".join(self._for_sink) if len(self._for_sink) > 1 else self._for_sink[0]
-        self._for_sink.clear()
-        if self.complete or self.sink is None or not self.sink(body):
-            self._buffer(body)
 
     def _buffer(self, body: bytes) -> None:
         self.chunks.append(body)

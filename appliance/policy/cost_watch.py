@@ -26,11 +26,10 @@ has been seen.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -110,6 +109,12 @@ class Followed:
         self.began.append(last)
         watch.judge()
 
+    def __enter__(self) -> Followed:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.watch.forget(self)
+
 
 class CostWatch:
     """Every request at the engine, their time per token, and the abort of a costly one."""
@@ -124,20 +129,19 @@ class CostWatch:
         self.constrained = 0  # of them: while none is, an event costs no look at the others
         self._timer: Followed | None = None  # the stream that times the steps for the norm
 
-    @contextlib.contextmanager
     def follow(self, constraint: str | None, abort: Callable[[], None], *,
-               engine_work: bool = True, streamed: bool = True) -> Iterator[Followed]:
-        """While the request is at the engine; `constraint` names its output constraint (the
-        gate found it), None if it has none. `abort` cancels its exchange; a peer that comes
-        while the engine is already slow gets the costly one aborted at once. A request that is
-        no engine work (a pass-through: models, tokenize, a stored response) is not followed."""
+               engine_work: bool = True, streamed: bool = True) -> Followed:
+        """The request at the engine until the returned Followed is left (a context manager).
+        `constraint` names its output constraint (the gate found it), None if it has none.
+        `abort` cancels its exchange; a peer that comes while the engine is already slow gets
+        the costly one aborted at once. A request that is no engine work (a pass-through:
+        models, tokenize, a stored response) is not followed."""
         window = self._limits.slow_tokens
         followed = Followed(self, self.clock(), constraint, abort, deque(maxlen=window),
                             deque(maxlen=window), streamed)
         if not engine_work:
             followed.watched = False
-            yield followed
-            return
+            return followed
         first_constrained = constraint is not None and not self.constrained
         if first_constrained:
             self._restart_windows()  # gaps kept from an earlier one's time can condemn nobody
@@ -146,11 +150,13 @@ class CostWatch:
         self.timed(everyone=first_constrained, newcomer=followed)
         try:
             self.judge()
-            yield followed
-        finally:
-            self._forget(followed)
+        except BaseException:
+            self.forget(followed)
+            raise
+        return followed
 
-    def _forget(self, followed: Followed) -> None:
+    def forget(self, followed: Followed) -> None:
+        """The request left the engine (Followed's exit)."""
         if followed.watched:  # an aborted one already is forgotten
             followed.watched = followed.measuring = False
             self._at_engine.remove(followed)
@@ -205,7 +211,7 @@ class CostWatch:
         suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
                                   suspect.tokens, self.clock() - suspect.since,
                                   len(self._at_engine) - 1)
-        self._forget(suspect)
+        self.forget(suspect)
         self._restart_windows()  # judged again only on steps taken after this abort
         self._aborted.inc()
         suspect.abort()

@@ -70,9 +70,15 @@ class Quarantine:
         while len(self._suspects) > self._max:
             self._suspects.popitem(last=False)
 
+    @property
+    def suspecting(self) -> bool:
+        """Whether any request is suspected: while none is (no engine died within the time to
+        live, the common case), a request needs no fingerprint to be let through."""
+        return bool(self._suspects)
+
     def check(self, fingerprint: str) -> None:
         """Raises `request_quarantined` if the fingerprint was in flight at enough deaths."""
-        if not self._suspects:  # the common case: no engine died within the time to live
+        if not self._suspects:
             return
         self._forget(self._clock())
         suspect = self._suspects.get(fingerprint)

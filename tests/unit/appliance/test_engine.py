@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
+import appliance.engine
 from appliance.engine import Waiting, fingerprint
 from appliance.errors import BadRequest, UpstreamError, engine_lost
 from tests.unit.appliance.pending import SECRET, Pending
@@ -44,6 +47,27 @@ def test_a_fingerprint_is_fixed_at_the_first_send_whatever_the_body_becomes() ->
     waiting.discard(key)
     waiting.add(key, "req-10", request)  # a new request under the same key is named afresh
     assert waiting.fingerprint(key, request.raw) != first
+
+
+def test_a_name_is_fixed_at_the_first_send_and_hashed_only_when_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most requests meet no death and no suspect: their send costs no hash."""
+    hashed: list[bytes] = []
+    real = appliance.engine.fingerprint
+
+    def counted(route: str, client: str, body: bytes) -> str:
+        hashed.append(body)
+        return real(route, client, body)
+
+    monkeypatch.setattr(appliance.engine, "fingerprint", counted)
+    waiting, key = Waiting(), object()
+    waiting.add(key, "req-9", Pending(SECRET))
+    waiting.name(key, SECRET)
+    waiting.name(key, b'{"prompt": [1, 2]}')  # sent again, resumed: the first send names it
+    assert hashed == []
+    assert waiting.fingerprint(key, b"{}") == real("/v1/chat/completions", "team-a", SECRET)
+    assert waiting.fingerprint(key, b"{}") == real("/v1/chat/completions", "team-a", SECRET)
+    assert hashed == [SECRET]  # once
 
 
 def hold(waiting: Waiting, raw: bytes, error: BaseException | None = None) -> None:
