@@ -35,10 +35,10 @@ from typing import Any
 import httpx
 import uvicorn
 
+from appliance.fences.uvicorn import ApiServer
 from load.bench_cpu import start
 from load.bench_stack import wait_http
 from supervisor.engine.stats import EngineStats, parse_engine_stats
-from supervisor.serve import _Server
 from tests.net import free_port
 
 LONG = [{"role": "user", "content": "Write a very long essay about lighthouses."}]
@@ -110,7 +110,7 @@ async def _stop_once() -> float:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return None
 
-    server = _Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
                                     lifespan="off"))
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110  (uvicorn's flag has no event to wait on)
