@@ -9,7 +9,6 @@ answer, after it the protocol's own stream ending, so no request is left without
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -156,7 +155,9 @@ class Relay:
         self._sending = False  # a chunk is on its way through ASGI: none may pass it
         self._first_at: float | None = None  # the request's arrival, until the first chunk
         self._reply: Reply | None = None  # the worker's answer being read
-        self._exits: contextlib.AsyncExitStack | None = None  # the exchanges this answer used
+        # What the answer holds until it ends, released last first: its exchanges with the
+        # worker (one per worker it was sent to), its isolation as a suspect.
+        self._exits: list[Callable[[], object]] = []
         self._original: Continuation | None = None  # the request as first sent
         self._isolated: asyncio.Lock | None = None  # held while sent again as a suspect
         self._cost: Followed  # from the moment it is at the engine (the cost watch follows it)
@@ -171,12 +172,14 @@ class Relay:
         outbound = self._outbound
         try:
             with watch:
-                async with outbound.slot(deps.admission) as meter, \
-                        contextlib.AsyncExitStack() as self._exits:
-                    with deps.cost.follow(outbound.constraint, watch.too_costly,
-                                          engine_work=not isinstance(outbound, PassThrough),
-                                          streamed=outbound.stream) as self._cost:
-                        last = await self._answer(send, watch, meter)
+                async with outbound.slot(deps.admission) as meter:
+                    try:
+                        with deps.cost.follow(outbound.constraint, watch.too_costly,
+                                              engine_work=not isinstance(outbound, PassThrough),
+                                              streamed=outbound.stream) as self._cost:
+                            last = await self._answer(send, watch, meter)
+                    finally:
+                        self._release()
                 # The slot is given back and the usage charged before the client can see the
                 # end: its next request never finds this one still holding them.
                 await send(last)
@@ -191,7 +194,7 @@ class Relay:
             await self._fail(send, internal_error(exc))
         finally:
             # The reply's sink calls back into the relay: no cycle is left for the collector.
-            self._reply = self._exits = None
+            self._reply = None
 
     async def _answer(self, send: Send, watch: Watch, meter: Meter) -> Message:
         """The exchange, sent again to the next worker after each engine fault it can outlive
@@ -242,9 +245,9 @@ class Relay:
         if deps.quarantine.suspecting:
             deps.quarantine.check(waiting.fingerprint(self, request.body))
         meter.sending(outbound.prompt_tokens)  # from here the engine's work is charged
-        assert self._exits is not None
-        self._reply = reply = await self._exits.enter_async_context(deps.upstream.exchange(
-            outbound.method, request.target, request.body, headers))
+        self._reply = reply = await deps.upstream.open(outbound.method, request.target,
+                                                       request.body, headers)
+        self._exits.append(reply.close)
         self._answering = False
         if reply.status >= 300:
             error = upstream_error(reply.status, await reply.read())
@@ -360,9 +363,19 @@ class Relay:
         await lock.acquire()
         self._isolated = lock
         timer = asyncio.get_running_loop().call_later(window_s, self._leave_isolation)
-        assert self._exits is not None
-        self._exits.callback(self._leave_isolation)
-        self._exits.callback(timer.cancel)
+        self._exits += (self._leave_isolation, timer.cancel)
+
+    def _release(self) -> None:
+        """Everything the answer held, last taken first (each runs whatever the others do)."""
+        exits, self._exits = self._exits, []
+        error: BaseException | None = None
+        for release in reversed(exits):
+            try:
+                release()
+            except Exception as exc:  # a bug: the rest are still released, then it is raised
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _leave_isolation(self) -> None:
         if self._isolated is not None:

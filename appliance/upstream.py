@@ -211,12 +211,20 @@ class _Connection(asyncio.Protocol):
 class Reply:
     """The worker's answer once its head arrived: status, headers, then the body on demand."""
 
-    __slots__ = ("_conn", "headers", "status")
+    __slots__ = ("_conn", "_release", "headers", "status")
 
-    def __init__(self, conn: _Connection) -> None:
+    def __init__(self, conn: _Connection, release: Callable[[_Connection], None]) -> None:
         self._conn = conn
+        self._release: Callable[[_Connection], None] | None = release
         self.status = conn.status
         self.headers = [(k, v) for k, v in conn.headers if k not in _DROP]
+
+    def close(self) -> None:
+        """The exchange is over (once; again is nothing): its connection goes back to the pool
+        if the answer was read to its end, else it is closed, which makes vLLM abort."""
+        release, self._release = self._release, None
+        if release is not None:
+            release(self._conn)
 
     @property
     def complete(self) -> bool:
@@ -296,17 +304,22 @@ class Upstream:
         while self._idle:
             self._idle.pop().close()
 
+    async def open(self, method: str, path: str, body: bytes | None,
+                   headers: dict[str, str]) -> Reply:
+        """Send the request; the worker's head. The caller must `close` the reply (the relay
+        keeps it with whatever else its request holds: one release list, no exit stack)."""
+        return Reply(await self._send(self._request_bytes(method, path, body, headers)),
+                     self._release)
+
     @contextlib.asynccontextmanager
     async def exchange(self, method: str, path: str, body: bytes | None,
                        headers: dict[str, str]) -> AsyncIterator[Reply]:
-        """Send the request, yield the worker's head; on exit the connection goes back to the
-        pool if the answer was read to its end, else it is closed, which makes vLLM abort."""
-        request = self._request_bytes(method, path, body, headers)
-        conn = await self._send(request)
+        """`open` for the block's length: the reply is closed on the way out."""
+        reply = await self.open(method, path, body, headers)
         try:
-            yield Reply(conn)
+            yield reply
         finally:
-            self._release(conn)
+            reply.close()
 
     async def call(self, method: str, path: str, payload: Any = None,
                    timeout_s: float = 30.0) -> tuple[int, Any]:

@@ -5,7 +5,6 @@ that left)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -42,6 +41,7 @@ class Reply:
         self.status, self.headers = status, [(b"content-type", b"application/json")]
         self._chunks, self._on_chunk = chunks, on_chunk
         self.complete = False
+        self.closed: bool | None = None  # None: never opened
 
     async def read(self) -> bytes:
         self.complete = True
@@ -49,6 +49,10 @@ class Reply:
 
     def forward(self, sink: Any) -> None:
         pass
+
+    def close(self) -> None:
+        assert not self.closed, "an exchange is closed once"
+        self.closed = True
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for index, chunk in enumerate(self._chunks):
@@ -65,15 +69,18 @@ class Worker:
         self.reply, self.fail = reply, fail
         self.sent: list[tuple[str, str, bytes | None]] = []
         self.in_flight_during: list[int] = []
+        self.opened: list[Reply] = []
         self.admission: Admission | None = None
 
-    @contextlib.asynccontextmanager
-    async def exchange(self, method: str, path: str, body: bytes | None,
-                       headers: dict[str, str]) -> AsyncIterator[Reply]:
+    async def open(self, method: str, path: str, body: bytes | None,
+                   headers: dict[str, str]) -> Reply:
         self.sent.append((method, path, body))
         assert self.admission is not None
         self.in_flight_during.append(self.admission.in_flight)
-        yield self.answer()
+        reply = self.answer()
+        reply.closed = False
+        self.opened.append(reply)
+        return reply
 
     def answer(self) -> Reply:
         """This exchange's answer, or the failure it raises."""
@@ -147,7 +154,11 @@ class Setup:
     async def run(self, outbound: Any) -> None:
         scope = {"type": "http", "path": ROUTE, "path_template": ROUTE, "headers": []}
         relay = Relay(outbound, self.deps, "rid-1", {})
-        await relay(scope, self.client.receive, self.client.send)  # type: ignore[arg-type]
+        try:
+            await relay(scope, self.client.receive, self.client.send)  # type: ignore[arg-type]
+        finally:
+            # Whatever the outcome, every exchange the relay opened is closed by its end.
+            assert [reply.closed for reply in self.worker.opened] == [True] * len(self.worker.opened)
 
     def count(self, name: str, **labels: str) -> float | None:
         from prometheus_client import generate_latest
@@ -481,13 +492,11 @@ async def test_a_suspect_is_sent_again_alone_until_its_answer_begins() -> None:
             locked_at_first_chunk.append(setup.quarantine.isolation.locked())
 
     class Dying(Workers):
-        @contextlib.asynccontextmanager
-        async def exchange(self, method: str, path: str, body: bytes | None,
-                           headers: dict[str, str]) -> AsyncIterator[Reply]:
+        async def open(self, method: str, path: str, body: bytes | None,
+                       headers: dict[str, str]) -> Reply:
             if len(self.sent) == 0:  # the forensics tell the quarantine what was in flight
                 setup.quarantine.died(e["fingerprint"] for e in self.engine.waiting.describe())
-            async with super().exchange(method, path, body, headers) as reply:
-                yield reply
+            return await super().open(method, path, body, headers)
 
     engine = FakeEngine("http://127.0.0.1:9")
     setup = Setup(Dying(engine, engine_lost(1), Reply(200, [b"data: 1\n\n", b"data: [DONE]\n\n"],
