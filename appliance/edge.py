@@ -10,8 +10,9 @@ nothing open forever. This protocol adds, per connection:
   so is one that trickles bytes that begin no request (blank lines, the rest of a body the
   route never read), which would otherwise stop uvicorn's keep-alive timer at every read;
   between requests, that timer (server.idle_timeout_s) closes idle connections;
-- limits on the head's bytes and header count, checked as bytes arrive and as the parser
-  reports the request line and each header (a whole head may come in one read): 431, close.
+- limits on the head's bytes and header count, checked as bytes arrive and (by the fence, which
+  tells `head_too_large`) as the parser reports the request line and each header (a whole head
+  may come in one read): 431, close.
 The request body is read by the route, within server.body_timeout_s.
 """
 
@@ -46,11 +47,12 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
     """A connection class (uvicorn's, through its fence) with this appliance's limits bound in."""
 
     class EdgeProtocol(Connection):
+        max_headers = server.max_headers
+        max_head_bytes = server.max_header_bytes
         _head_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
-        _header_count = 0
-        _parsed_bytes = 0  # request line and headers as the parser gave them
-        _in_head = True  # between requests or inside a request's head
+        # watching_reads: between requests or inside a request's head (the reads the edge
+        # counts and times)
 
         def accepted(self) -> None:
             metrics.open.set(self.open_connections)
@@ -73,46 +75,33 @@ def edge_protocol(server: ServerSettings, metrics: EdgeMetrics) -> type[Connecti
         def after_read(self, size: int) -> None:
             # Counted after parsing: a chunk that completed the head may carry body bytes too.
             # The parser holds at most the limit plus one read's worth of an unfinished head.
-            if self._in_head:
-                self._head_bytes += size
-                if self._head_bytes > server.max_header_bytes:
-                    self._too_large()
+            self._head_bytes += size
+            if self._head_bytes > server.max_header_bytes:
+                self.head_too_large(headers=False)
 
         def read_begins(self) -> None:
-            if self._in_head and self._head_timer is None:
+            if self._head_timer is None:
                 self._arm_head_timer()  # uvicorn's keep-alive timer stops at this read
 
         def head_begins(self) -> None:
-            self._in_head, self._header_count, self._parsed_bytes = True, 0, 0
+            self.watching_reads = True
             if self._head_timer is None:  # a pipelined request, in the read that ended one
                 self._arm_head_timer()
 
-        # The head as parsed so far, bounded even when it all came in one read (the happy
-        # path of a header costs no call: once per header of every request).
-        def url_seen(self, size: int) -> bool:
-            self._parsed_bytes += size
-            return self._parsed_bytes <= server.max_header_bytes or self._too_large()
-
-        def header_seen(self, size: int) -> bool:
-            self._header_count += 1
-            if self._header_count > server.max_headers:
+        def head_too_large(self, headers: bool) -> None:
+            if headers:
                 self._refuse(HeadersTooLarge("too many headers (setting server.max_headers)",
                                              code="too_many_headers"))
-                return False
-            self._parsed_bytes += size
-            return self._parsed_bytes <= server.max_header_bytes or self._too_large()
-
-        def _too_large(self) -> bool:
+                return
             self._refuse(HeadersTooLarge("request head too large (setting "
                                          "server.max_header_bytes)", code="head_too_large"))
-            return False
 
         def head_done(self) -> None:
-            self._in_head, self._head_bytes = False, 0
+            self.watching_reads, self._head_bytes = False, 0
             self._disarm_head_timer()
 
         def response_done(self) -> None:
-            self._in_head = True
+            self.watching_reads = True
 
         def _arm_head_timer(self) -> None:
             self._disarm_head_timer()

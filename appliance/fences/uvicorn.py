@@ -2,9 +2,10 @@
 
 It offers the rest of the tree four things of its own:
 - `ApiServer`: uvicorn's Server without its signal handling, with a prompt `stop()`;
-- `Connection`: uvicorn's httptools protocol with hooks (`accepted`, `opened`, `after_read`,
-  `head_begins`, `header_seen`, `head_done`, `response_done`, `closed`) where the edge adds its
-  limits;
+- `Connection`: uvicorn's httptools protocol with hooks (`accepted`, `opened`, `read_begins`,
+  `after_read`, `head_begins`, `head_too_large`, `head_done`, `response_done`, `closed`) where
+  the edge adds its limits, and the head's bounds (`max_headers`, `max_head_bytes`), which it
+  counts itself: a header of every request costs no call to the edge;
 - `listener`: what uvicorn's `http` setting takes, serving a Connection over TLS where there is
   a certificate: a connection counts from the moment it is accepted and its handshake is bounded
   (uvicorn hands TLS to asyncio, whose handshake may take 60 s, and its protocol hears of a
@@ -37,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import sys
 import weakref
 from asyncio import sslproto
 from collections.abc import Callable, Iterator
@@ -164,13 +166,23 @@ class _StopParse(Exception):
 
 class Connection(HttpToolsProtocol):
     """uvicorn's httptools protocol, with hooks of our own for what the edge adds. A hook runs
-    only while the connection is open; `refused()` says the edge closed it itself."""
+    only while the connection is open; `closing()` says whether the edge closed it."""
+
+    # The head's bounds, counted here as the parser reports the request line and each header
+    # (a whole head may come in one read): past one, `head_too_large` and the parse stops.
+    max_headers = sys.maxsize
+    max_head_bytes = sys.maxsize  # the request line's target and the header lines
+    # Whether `read_begins` and `after_read` run for a read (the edge watches the reads of a
+    # request's head only: a read of a body costs no call).
+    watching_reads = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._links: list[ClientLink] = []  # of requests whose answer is not complete
         self._tcp: asyncio.BaseTransport | None = None  # while its TLS handshake runs
         self._tls = False
+        self._headers_seen = 0  # of the head being parsed
+        self._head_seen = 0  # bytes of it, as the parser gave them
 
     # --- hooks, for subclasses ---------------------------------------------------------------
 
@@ -190,14 +202,9 @@ class Connection(HttpToolsProtocol):
     def head_begins(self) -> None:
         """A request's first byte arrived."""
 
-    def url_seen(self, size: int) -> bool:
-        """The request line's target, `size` bytes; False stops the parse (the hook refused it)."""
-        return True
-
-    def header_seen(self, size: int) -> bool:
-        """One more header line of the head, `size` bytes with its separator and line end;
-        False stops the parse (the hook refused it)."""
-        return True
+    def head_too_large(self, headers: bool) -> None:
+        """The head went past `max_headers` (`headers`) or `max_head_bytes`; the parse stops
+        (the hook answers or closes)."""
 
     def head_done(self) -> None:
         """The request's head is complete; its body (if any) is the route's to read."""
@@ -281,24 +288,34 @@ class Connection(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():
             return
-        self.read_begins()
+        if self.watching_reads:
+            self.read_begins()
         super().data_received(data)
-        if not self.transport.is_closing():
+        if self.watching_reads and not self.transport.is_closing():  # a head may begin in it
             self.after_read(len(data))
 
     def on_message_begin(self) -> None:
+        self._headers_seen = self._head_seen = 0
         self.head_begins()
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
-        if not self.url_seen(len(url)):
-            raise _StopParse
+        self._head_seen += len(url)
+        if self._head_seen > self.max_head_bytes:
+            self._too_large(headers=False)
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.header_seen(len(name) + len(value) + 4):  # ": " and CRLF
-            raise _StopParse
+        # Here, not in a hook: once per header of every request.
+        self._headers_seen += 1
+        self._head_seen += len(name) + len(value) + 4  # ": " and CRLF
+        if self._headers_seen > self.max_headers or self._head_seen > self.max_head_bytes:
+            self._too_large(headers=self._headers_seen > self.max_headers)
         super().on_header(name, value)
+
+    def _too_large(self, headers: bool) -> None:
+        self.head_too_large(headers)
+        raise _StopParse
 
     def send_400_response(self, msg: str) -> None:
         if not self.transport.is_closing():  # not after our own refusal stopped the parse

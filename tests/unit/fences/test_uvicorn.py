@@ -60,9 +60,9 @@ def test_the_protocol_has_the_callbacks_connection_overrides() -> None:
         UVICORN.parameters(UVICORN.attribute(HttpToolsProtocol, name), parameters)
     ours = {name for name, _ in inspect.getmembers(Connection)} - set(dir(HttpToolsProtocol))
     hooks = {"accepted", "handshaking", "tls_accepted", "tls_ended", "opened", "read_begins",
-             "after_read", "head_begins", "url_seen", "header_seen", "head_done", "response_done",
+             "after_read", "head_begins", "head_too_large", "head_done", "response_done",
              "closed", "open_connections", "peer", "event_loop", "closing", "write_and_close",
-             "close"}
+             "close", "max_headers", "max_head_bytes", "watching_reads"}
     UVICORN.require(hooks <= ours, "none of Connection's own names is one of HttpToolsProtocol's",
                     sorted(hooks - ours))
 
@@ -78,9 +78,9 @@ class Recording(Connection):
     def head_begins(self) -> None:
         self.seen.append("head_begins")
 
-    def header_seen(self, size: int) -> bool:
-        self.seen.append("header")
-        return True
+    def head_too_large(self, headers: bool) -> None:
+        self.seen.append(f"too large {'headers' if headers else 'bytes'}")
+        self.close()
 
     def head_done(self) -> None:
         self.seen.append("head_done")
@@ -132,10 +132,51 @@ async def test_a_real_request_runs_the_hooks_in_order_and_the_link_writes_chunks
     UVICORN.require(links[0][2] and b"6\r\ndirect\r\n" in answer,
                     "a response begun without content-length is chunked "
                     "(cycle.chunked_encoding) and its transport takes our chunk", answer)
-    expected = ["opened 1 True", "head_begins", "header", "header", "head_done",
+    expected = ["opened 1 True", "head_begins", "head_done",
                 f"read {len(request)}", "response_done", "closed"]
     UVICORN.require(Recording.seen == expected, "the callbacks run in the order "
                     + " > ".join(expected), Recording.seen)
+
+
+class FewHeaders(Recording):
+    max_headers = 2
+
+
+class ShortHead(Recording):
+    max_head_bytes = 30  # "/" (1) and "host: x" (11): 12; a third header line passes it
+
+
+@pytest.mark.parametrize(("protocol", "kind"), [(FewHeaders, "headers"), (ShortHead, "bytes")])
+async def test_the_fence_counts_a_heads_headers_and_bytes_and_stops_the_parse_past_a_bound(
+        protocol: type[Recording], kind: str) -> None:
+    """On a real socket: a head past a bound, all in one read, is refused by the hook before
+    any route runs; the same head within the bounds reaches the app (the test above)."""
+    routed: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            routed.append(scope["path"])
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    Recording.seen = []
+    port = free_port()
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol,
+                                      log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\naccept: */*\r\nx-one-more: 12345678\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        await eventually(lambda: "closed" in Recording.seen)
+    finally:
+        server.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert Recording.seen == ["opened 1 True", "head_begins", f"too large {kind}", "closed"]
+    assert routed == [] and answer == b""  # no route ran; uvicorn's own 400 was not sent
 
 
 def test_uvicorn_calls_a_non_string_http_setting_per_connection_and_shuts_each_down() -> None:
