@@ -49,20 +49,14 @@ def validate_chat(body: Mapping[str, Any]) -> None:
     """Shape checks for POST /v1/chat/completions; unknown fields are left alone."""
     _check_common(body)
     _check_messages(body)
-    _optional(body, "max_completion_tokens", check_count)
-    _optional(body, "logprobs", _check_bool)
-    _optional(body, "top_logprobs", _check_logprob_count)
-    _optional(body, "tools", _check_tools)
-    _optional(body, "tool_choice", _check_tool_choice)
-    _optional(body, "chat_template_kwargs", _check_object)
+    _optional(body, _CHAT_FIELDS)
 
 
 def validate_completion(body: Mapping[str, Any]) -> None:
     """Shape checks for POST /v1/completions; unknown fields are left alone."""
     _check_common(body)
     _check_prompt(body)
-    _optional(body, "logprobs", _check_logprob_count)
-    _optional(body, "echo", _check_bool)
+    _optional(body, _COMPLETION_FIELDS)
 
 
 def check_count(value: Any, param: str) -> None:
@@ -89,13 +83,7 @@ def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
 
 
 def _check_common(body: Mapping[str, Any]) -> None:
-    _optional(body, "model", _check_str)
-    _optional(body, "stream", _check_bool)
-    _optional(body, "n", check_count)
-    _optional(body, "best_of", check_count)
-    _optional(body, "max_tokens", check_count)
-    _optional(body, "temperature", _check_temperature)
-    _optional(body, "top_p", _check_top_p)
+    _optional(body, _COMMON_FIELDS)
     truncate_prompt_tokens(body)
 
 
@@ -237,11 +225,13 @@ def _check_object(value: Any, param: str) -> None:
         _bad(f"'{param}' must be an object, got {_show(value)}.", param, "invalid_type")
 
 
-def _optional(body: Mapping[str, Any], key: str, check: Check) -> None:
-    """Check `key` when present; JSON null counts as absent, as it does for OpenAI."""
-    value = body.get(key)
-    if value is not None:
-        check(value, key)
+def _optional(body: Mapping[str, Any], checks: tuple[tuple[str, Check], ...]) -> None:
+    """Check each field, in order, where present; JSON null counts as absent, as it does for
+    OpenAI (one call for them all: every generation request comes here)."""
+    for key, check in checks:
+        value = body.get(key)
+        if value is not None:
+            check(value, key)
 
 
 def _number(value: Any, param: str) -> float:
@@ -349,3 +339,15 @@ def _show(value: Any) -> str:
         return "an object" if isinstance(value, dict) else "an array"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# The optional fields each route checks, in the order their errors are reported.
+_COMMON_FIELDS: tuple[tuple[str, Check], ...] = (
+    ("model", _check_str), ("stream", _check_bool), ("n", check_count), ("best_of", check_count),
+    ("max_tokens", check_count), ("temperature", _check_temperature), ("top_p", _check_top_p))
+_CHAT_FIELDS: tuple[tuple[str, Check], ...] = (
+    ("max_completion_tokens", check_count), ("logprobs", _check_bool),
+    ("top_logprobs", _check_logprob_count), ("tools", _check_tools),
+    ("tool_choice", _check_tool_choice), ("chat_template_kwargs", _check_object))
+_COMPLETION_FIELDS: tuple[tuple[str, Check], ...] = (
+    ("logprobs", _check_logprob_count), ("echo", _check_bool))

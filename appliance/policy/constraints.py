@@ -74,8 +74,14 @@ def check_constraints(body: Mapping[str, Any], limits: ConstraintSettings, *,
     return first
 
 
+# The body's fields an output constraint can be under (find_constraints looks in no other).
+_HOLDERS = frozenset(("structured_outputs", "response_format", "text", "output_config", "tools"))
+
+
 def find_constraints(body: Mapping[str, Any]) -> Iterator[tuple[str, str, Any]]:
     """(parameter, kind, value) of each output constraint, on any API's body."""
+    if _HOLDERS.isdisjoint(body):
+        return  # most bodies: one pass over their keys, in C
     structured = body.get("structured_outputs")
     if isinstance(structured, Mapping):
         for key, kind in (("regex", "regex"), ("whitespace_pattern", "regex"),
