@@ -294,7 +294,10 @@ class Relay:
         while True:
             try:
                 async for chunk in reply.chunks():
-                    if self._dead in chunk:  # the worker's own error event: its engine died
+                    # The worker's own error event: its engine died. (find, not `in`: for
+                    # bytes CPython's `in` first tries its operand as an int and builds the
+                    # TypeError it then drops, about 2,000 instructions; every event comes here.)
+                    if chunk.find(self._dead) >= 0:
                         raise engine_died()
                     yield self._record.take(chunk) if self._record is not None else chunk
                 return
@@ -400,7 +403,7 @@ class Relay:
         engine died: that is the loop's to handle). A stream's every event comes here: once its
         record reads nothing more on the way, an event costs the write, the record's `keep` and
         `_relayed`."""
-        if self._sending or self._dead in chunk:
+        if self._sending or chunk.find(self._dead) >= 0:  # (find: see _from_worker)
             return False
         record, link = self._record, self._link
         assert link is not None

@@ -142,8 +142,9 @@ class _Tap:
 
     def feed(self, chunk: bytes) -> bytes:
         self._meter.events += chunk.count(b"data:")
+        # find, not `in`: bytes' `in` builds and drops a TypeError first (see Relay._from_worker)
         if (not self._events.partial and not self._held and chunk.endswith(_END)
-                and _USAGE not in chunk and not (self._strip and _FINISHED in chunk)):
+                and chunk.find(_USAGE) < 0 and not (self._strip and chunk.find(_FINISHED) >= 0)):
             return chunk  # the common case: nothing to look at
         return self._events.each(chunk, self._event)
 
@@ -155,7 +156,7 @@ class _Tap:
 
     def _event(self, event: bytes) -> bytes:
         """What to send of one complete event now (possibly nothing, or held events too)."""
-        if _USAGE in event:
+        if event.find(_USAGE) >= 0:
             reported = _decode(event[event.find(b"{"):])
             self._meter.take(reported)
             if not self._strip:
@@ -163,7 +164,7 @@ class _Tap:
             fingerprint = reported.system_fingerprint if reported is not None else None
             held, self._held = self._held, []
             return b"".join(_stamp(e, fingerprint) for e in held)
-        if self._strip and (self._held or _FINISHED in event):
+        if self._strip and (self._held or event.find(_FINISHED) >= 0):
             self._held.append(event)
             return b""
         return event
