@@ -33,7 +33,7 @@ from appliance.outbound import Outbound, PassThrough
 from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
-from appliance.recovery.stream import Continuation
+from appliance.recovery.stream import KEPT_BYTES, Continuation
 from appliance.settings import ResumeSettings
 from appliance.sse import END as EVENT_END
 from appliance.upstream import Reply, Upstream
@@ -401,13 +401,14 @@ class Relay:
         """One read of the worker, straight to the client's connection; False: the loop in
         _stream takes it (the client is not keeping up, an ASGI send is under way, or the
         engine died: that is the loop's to handle). A stream's every event comes here: once its
-        record reads nothing more on the way, an event costs the write, the record's `keep` and
-        `_relayed`."""
+        record reads nothing more on the way, an event costs the write, an append to the
+        record's `kept` and `_relayed`."""
         if self._sending or chunk.find(self._dead) >= 0:  # (find: see _from_worker)
             return False
         record, link = self._record, self._link
         assert link is not None
-        if record is not None and not (record.verbatim and chunk.endswith(EVENT_END)):
+        # (A slice, not endswith: in CPython 3.11 its arguments cost more than the compare.)
+        if record is not None and not (record.verbatim and chunk[-2:] == EVENT_END):
             if not link.writable():  # asked before the record takes the chunk: it takes it once
                 return False
             chunk = record.take(chunk)
@@ -417,8 +418,11 @@ class Relay:
             return True
         if not link.write(chunk):
             return False
-        if record is not None:
-            record.keep(chunk)
+        if record is not None:  # kept as it came, in place (Record.kept)
+            kept = record.kept
+            kept += chunk
+            if len(kept) > KEPT_BYTES:
+                record.read_kept()
         self._relayed(chunk)
         return True
 

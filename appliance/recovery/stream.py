@@ -75,15 +75,17 @@ class Record:
     token_ids: ClassVar[bool] = True  # the gate asks the worker for the stream's token ids
     finished = False  # the stream had its last token: an end is all it still needs
     # A chunk of whole events (ending with an event's end) now goes to the client as it came
-    # and is only kept: the relay writes it, then calls `keep`, with no `take` per event.
+    # and is only kept: the relay writes it, then appends it to `kept` itself, in place (no
+    # call per event), and calls `read_kept` once `kept` holds more than KEPT_BYTES.
     verbatim = False
+    kept: bytearray  # the stream's events since they were last read, as they came
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, what a continuation needs kept."""
         raise NotImplementedError
 
-    def keep(self, chunk: bytes) -> None:
-        """A chunk of whole events that went to the client as it came, while `verbatim`."""
+    def read_kept(self) -> None:
+        """The events in `kept` read for what a continuation needs, and let go."""
         raise NotImplementedError
 
     @property
@@ -124,15 +126,14 @@ class StreamRecord(Record):
         self._generated = bytearray()  # the generated ids, comma-separated
         self._settled = 0  # bytes of the ids up to the last event with text
         self._finished = False  # an event carried the finish reason: nothing more to generate
-        self._kept: list[bytes] = []  # the stream's events since they were last read, as they came
-        self._kept_bytes = 0
+        self.kept = bytearray()
         self._continued = False  # events now come from a continuation, to be translated
         self._steady = False  # the first event was read: the rest are kept as they come
         self._shown: list[int] = []  # held ids the client has, which a continuation generates again
 
     @property
     def finished(self) -> bool:
-        self._read_kept()
+        self.read_kept()
         return self._finished
 
     @finished.setter
@@ -143,8 +144,8 @@ class StreamRecord(Record):
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
-        if self.verbatim and chunk.endswith(_END):
-            self.keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
+        if self.verbatim and chunk[-2:] == _END:
+            self._keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
             return chunk
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
         out: list[bytes] = []
@@ -154,7 +155,7 @@ class StreamRecord(Record):
             out.append(self._event(events[at:end]))
             at = end
         if rest := events[at:]:  # what the read held after the first event, or cut at its end
-            self.keep(rest)
+            self._keep(rest)
             out.append(rest)
         self.verbatim = self._steady and not self._events.partial
         return b"".join(out)
@@ -187,17 +188,18 @@ class StreamRecord(Record):
             return event, ids
         return event[:start + len(key) - 1] + _NULL + event[end + 1:], ids
 
-    def keep(self, chunk: bytes) -> None:
-        self._kept.append(chunk)
-        self._kept_bytes += len(chunk)
-        if self._kept_bytes > KEPT_BYTES:
-            self._read_kept()
+    def _keep(self, chunk: bytes) -> None:
+        """As the relay keeps what it writes itself (Record.kept)."""
+        kept = self.kept
+        kept += chunk
+        if len(kept) > KEPT_BYTES:
+            self.read_kept()
 
-    def _read_kept(self) -> None:
+    def read_kept(self) -> None:
         """The events kept so far read for their ids."""
-        if self._kept:
-            events = b"".join(self._kept)
-            self._kept, self._kept_bytes = [], 0
+        if self.kept:
+            events = bytes(self.kept)
+            del self.kept[:]
             self._read(events)
 
     def _read(self, events: bytes) -> None:
@@ -242,7 +244,7 @@ class StreamRecord(Record):
 
     def continuation(self) -> Continuation:
         """The request for the rest, from the last settled id; what follows is translated."""
-        self._read_kept()
+        self.read_kept()
         held = bytes(self._generated[self._settled:]).strip(b",")
         self._shown = [int(i) for i in held.split(b",")] if held else []
         del self._generated[self._settled:]
@@ -269,7 +271,7 @@ class StreamRecord(Record):
 
     @property
     def generated_tokens(self) -> int:
-        self._read_kept()
+        self.read_kept()
         generated = self._generated  # counted when asked: only after a fault
         return generated.count(b",") + 1 if generated else 0
 

@@ -16,8 +16,10 @@ import httptools
 import prometheus_client
 import pytest
 
+from appliance import relay as relay_module
 from appliance.fences.uvicorn import ClientLink
 from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.recovery.stream import StreamRecord
 from appliance.relay import Relay
 from appliance.settings import ConstraintSettings, ResumeSettings
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
@@ -70,6 +72,28 @@ async def test_a_stream_to_a_client_that_keeps_up_goes_direct_and_whole(writes) 
         metrics = (await client.get("/metrics")).text
     assert writes[True] >= 40 and writes[False] == 0  # a few may come two to a read
     assert "appliance_time_to_first_token_seconds_count" in metrics
+
+
+async def test_a_direct_stream_keeps_its_records_unread_events_within_the_bound(
+        writes, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The direct path appends each event to the record's `kept` itself and has it read once
+    past the bound (here 600 bytes, a few events): a long stream is never kept whole."""
+    monkeypatch.setattr(relay_module, "KEPT_BYTES", 600)
+    reads: list[int] = []
+    read_kept = StreamRecord.read_kept
+
+    def counted(self: StreamRecord) -> None:
+        reads.append(len(self.kept))
+        read_kept(self)
+
+    monkeypatch.setattr(StreamRecord, "read_kept", counted)
+    async with upstream(tokens=50, delay=0.002) as (_, url), \
+            appliance(FakeEngine(url)) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT | {"stream": True})
+        assert sequence(response.content) == list(range(50))
+    assert writes[True] >= 40
+    big = [n for n in reads if n > 0]
+    assert len(big) >= 5 and all(n <= 600 + 400 for n in big)  # past the bound by one event
 
 
 async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> None:  # type: ignore[no-untyped-def]

@@ -56,9 +56,9 @@ def test_the_client_gets_the_workers_stream_but_the_prompts_ids() -> None:
 
 
 def test_whole_events_pass_verbatim_once_the_first_is_read_and_keep_counts_as_take() -> None:
-    """The relay's direct path writes a verbatim chunk itself and only calls `keep`: the record
-    says when it may (never before the first event's prompt ids are cut, never while an event
-    is cut in two), and what `keep` kept reads as what `take` would have."""
+    """The relay's direct path writes a verbatim chunk itself and only appends it to `kept`: the
+    record says when it may (never before the first event's prompt ids are cut, never while an
+    event is cut in two), and what was kept so reads as what `take` would have."""
     kept, taken = ChatRecord(CHAT, ids_visible=False), ChatRecord(CHAT, ids_visible=False)
     for record in (kept, taken):
         assert not record.verbatim
@@ -69,7 +69,7 @@ def test_whole_events_pass_verbatim_once_the_first_is_read_and_keep_counts_as_ta
         assert taken.take(chunk) == (b"" if chunk == split[:20] else
                                      split if chunk == split[20:] else chunk)
         if kept.verbatim and chunk.endswith(b"\n\n"):
-            kept.keep(chunk)
+            kept.kept += chunk
         else:
             kept.take(chunk)
         assert kept.verbatim == (chunk != split[:20])
@@ -84,7 +84,7 @@ def test_a_long_stream_is_read_for_its_ids_as_it_goes_not_kept_whole() -> None:
     count = 3 * KEPT_BYTES // len(event)
     for _ in range(count):
         assert record.take(event) == event
-        assert record._kept_bytes <= KEPT_BYTES  # the bound is the point
+        assert len(record.kept) <= KEPT_BYTES  # the bound is the point
     record.take(HELD)  # its id is not the client's yet: the continuation starts before it
     assert record.generated_tokens == count + 1
     body = json.loads(record.continuation().body or b"")
