@@ -418,10 +418,10 @@ class Relay:
             return True
         if not link.write(chunk):
             return False
-        if record is not None:  # kept as it came, in place (Record.kept)
-            kept = record.kept
-            kept += chunk
-            if len(kept) > KEPT_BYTES:
+        if record is not None:  # kept as it came (Record.kept: no call per event)
+            record.kept.append(chunk)
+            record.kept_bytes += len(chunk)
+            if record.kept_bytes > KEPT_BYTES:
                 record.read_kept()
         self._relayed(chunk)
         return True

@@ -75,10 +75,11 @@ class Record:
     token_ids: ClassVar[bool] = True  # the gate asks the worker for the stream's token ids
     finished = False  # the stream had its last token: an end is all it still needs
     # A chunk of whole events (ending with an event's end) now goes to the client as it came
-    # and is only kept: the relay writes it, then appends it to `kept` itself, in place (no
-    # call per event), and calls `read_kept` once `kept` holds more than KEPT_BYTES.
+    # and is only kept: the relay writes it, then appends it to `kept` and counts it in
+    # `kept_bytes` itself (no call per event), and calls `read_kept` past KEPT_BYTES.
     verbatim = False
-    kept: bytearray  # the stream's events since they were last read, as they came
+    kept: list[bytes]  # the stream's events since they were last read, as they came
+    kept_bytes = 0
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, what a continuation needs kept."""
@@ -126,7 +127,7 @@ class StreamRecord(Record):
         self._generated = bytearray()  # the generated ids, comma-separated
         self._settled = 0  # bytes of the ids up to the last event with text
         self._finished = False  # an event carried the finish reason: nothing more to generate
-        self.kept = bytearray()
+        self.kept = []
         self._continued = False  # events now come from a continuation, to be translated
         self._steady = False  # the first event was read: the rest are kept as they come
         self._shown: list[int] = []  # held ids the client has, which a continuation generates again
@@ -190,16 +191,16 @@ class StreamRecord(Record):
 
     def _keep(self, chunk: bytes) -> None:
         """As the relay keeps what it writes itself (Record.kept)."""
-        kept = self.kept
-        kept += chunk
-        if len(kept) > KEPT_BYTES:
+        self.kept.append(chunk)
+        self.kept_bytes += len(chunk)
+        if self.kept_bytes > KEPT_BYTES:
             self.read_kept()
 
     def read_kept(self) -> None:
         """The events kept so far read for their ids."""
         if self.kept:
-            events = bytes(self.kept)
-            del self.kept[:]
+            events = b"".join(self.kept)
+            self.kept, self.kept_bytes = [], 0
             self._read(events)
 
     def _read(self, events: bytes) -> None:

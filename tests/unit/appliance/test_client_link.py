@@ -83,7 +83,7 @@ async def test_a_direct_stream_keeps_its_records_unread_events_within_the_bound(
     read_kept = StreamRecord.read_kept
 
     def counted(self: StreamRecord) -> None:
-        reads.append(len(self.kept))
+        reads.append(self.kept_bytes)
         read_kept(self)
 
     monkeypatch.setattr(StreamRecord, "read_kept", counted)
