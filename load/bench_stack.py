@@ -76,12 +76,13 @@ def wait_http(service: Service, url: str, timeout_s: float,
 def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: float,
                     api_key: str, workdir: Path, tls: tuple[Path, Path] | None = None,
                     name: str = "appliance", settings: dict[str, str] | None = None,
-                    root: Path = ROOT) -> Service:
+                    root: Path = ROOT, under: list[str] | None = None) -> Service:
     """`chat-appliance serve` supervising the synthetic upstream as its worker; with `tls`
     (certificate, key) its port speaks HTTPS. The appliance reaches the upstream on its Unix
     socket, as it reaches vLLM; the direct and LiteLLM runs use its port. With `root` another
     checkout's appliance and upstream (a baseline from before workers had a Unix socket, such
-    as a48c0a0, reaches it on its port)."""
+    as a48c0a0, reaches it on its port). With `under` the appliance runs under that command
+    (valgrind's, say); its worker does not."""
     socket_dir = workdir / f"worker-{name}"
     upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port", str(upstream_port),
                 "--tokens", str(tokens), "--token-delay", str(token_delay_s)]
@@ -106,6 +107,9 @@ def start_appliance(port: int, upstream_port: int, tokens: int, token_delay_s: f
                 "CHAT_APPLIANCE_SERVER__TLS_KEYFILE": str(tls[1])}
     env |= settings or {}
     chat_appliance = Path(sys.executable).with_name("chat-appliance")
+    if under is not None:  # the console script through the interpreter: a tool runs an ELF
+        return _spawn(name, [*under, sys.executable, str(chat_appliance), "serve"], env, workdir,
+                      root)
     return _spawn(name, [str(chat_appliance), "serve"], env, workdir, root)
 
 
