@@ -159,7 +159,8 @@ def start(workdir: Path, engine_port: int | None = None,
     return Service("appliance", proc, log_path), f"http://127.0.0.1:{port}"
 
 
-async def drive(url: str, stream: bool, requests: int, concurrency: int, tokens: int) -> None:
+async def drive(url: str, stream: bool, requests: int, concurrency: int, tokens: int,
+                headers: dict[str, str] | None = None) -> None:
     body = {"messages": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": stream}
     queue = list(range(requests))
 
@@ -175,7 +176,8 @@ async def drive(url: str, stream: bool, requests: int, concurrency: int, tokens:
                 response = await client.post("/v1/chat/completions", json=body)
                 assert response.status_code == 200, response.text
 
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
+                                 trust_env=False) as client:
         await asyncio.gather(*(user(client) for _ in range(concurrency)))
 
 

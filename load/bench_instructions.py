@@ -37,13 +37,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from load.bench_cpu import drive
 from load.bench_stack import ROOT, Service, start_appliance, wait_http
 from tests.net import free_port
 
 API_KEY = "sk-bench-0123456789abcdef"
-PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+HEADERS = {"authorization": f"Bearer {API_KEY}"}
 IDLE_S = 10.0
 _TOTAL = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
@@ -118,28 +117,6 @@ class Callgrind:
         raise SystemExit(f"callgrind wrote no count for {self.service.name}")
 
 
-async def drive(url: str, stream: bool, requests: int, concurrency: int, tokens: int) -> None:
-    body = {"messages": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": stream}
-    left = list(range(requests))
-
-    async def user(client: httpx.AsyncClient) -> None:
-        while left:
-            left.pop()
-            if stream:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                    assert response.status_code == 200, await response.aread()
-                    async for _ in response.aiter_bytes():
-                        pass
-            else:
-                response = await client.post("/v1/chat/completions", json=body)
-                assert response.status_code == 200, response.text
-
-    headers = {"authorization": f"Bearer {API_KEY}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
-                                 trust_env=False) as client:
-        await asyncio.gather(*(user(client) for _ in range(concurrency)))
-
-
 def measure(target: Target, args: argparse.Namespace, workdir: Path) -> dict[str, Count]:
     port, upstream_port = free_port(), free_port()
     out = workdir / f"callgrind-{port}.out"
@@ -154,14 +131,14 @@ def measure(target: Target, args: argparse.Namespace, workdir: Path) -> dict[str
             raise SystemExit(f"{target.name} never served:\n{service.tail()}")
         grind = Callgrind(service, out)
         for stream in (True, False):  # warm: every path of both modes has run once
-            asyncio.run(drive(url, stream, 20, args.concurrency, args.tokens))
+            asyncio.run(drive(url, stream, 20, args.concurrency, args.tokens, HEADERS))
         grind.instrument()
         readings: dict[str, list[tuple[int, float, int]]] = {}
         for mode, stream in (("streaming", True), ("non-streaming", False)):
             for requests in (max(1, args.requests // 4), args.requests):
                 grind.count()
                 began = time.monotonic()
-                asyncio.run(drive(url, stream, requests, args.concurrency, args.tokens))
+                asyncio.run(drive(url, stream, requests, args.concurrency, args.tokens, HEADERS))
                 seconds = time.monotonic() - began
                 readings.setdefault(mode, []).append((requests, seconds, grind.count()))
         grind.count()

@@ -95,6 +95,28 @@ class Recording(Connection):
         self.seen.append("closed")
 
 
+async def one_exchange(app: Any, protocol: type[Recording], request: bytes) -> bytes:
+    """`request` sent to a real server of `protocol` on a fresh connection; all it answered,
+    once the connection was closed and the protocol heard it."""
+    Recording.seen = []
+    port = free_port()
+    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol,
+                                      log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        answer = await reader.read()
+        writer.close()
+        await eventually(lambda: "closed" in Recording.seen)
+    finally:
+        server.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    return answer
+
+
 async def test_a_real_request_runs_the_hooks_in_order_and_the_link_writes_chunks() -> None:
     """uvicorn's protocol, cycle and chunked writer as the fence uses them, on a real socket."""
     links: list[tuple[ClientLink | None, bool, bool]] = []
@@ -109,23 +131,8 @@ async def test_a_real_request_runs_the_hooks_in_order_and_the_link_writes_chunks
         links.append((link, link is not None and link.has_body(), wrote))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    Recording.seen = []
-    port = free_port()
-    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=Recording,
-                                      log_config=None, lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    try:
-        await eventually(lambda: server.started)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        request = b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-        writer.write(request)
-        answer = await reader.read()
-        writer.close()
-        await eventually(lambda: "closed" in Recording.seen)
-    finally:
-        server.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
+    request = b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    answer = await one_exchange(app, Recording, request)
     UVICORN.require(links and links[0][0] is not None,
                     "on_headers_complete sets self.cycle, whose scope is self.scope", links)
     UVICORN.require(links[0][1], "a GET's cycle has more_body False once its head is in")
@@ -159,22 +166,8 @@ async def test_the_fence_counts_a_heads_headers_and_bytes_and_stops_the_parse_pa
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
 
-    Recording.seen = []
-    port = free_port()
-    server = ApiServer(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol,
-                                      log_config=None, lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    try:
-        await eventually(lambda: server.started)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\naccept: */*\r\nx-one-more: 12345678\r\n\r\n")
-        answer = await reader.read()
-        writer.close()
-        await eventually(lambda: "closed" in Recording.seen)
-    finally:
-        server.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
+    answer = await one_exchange(app, protocol, b"GET / HTTP/1.1\r\nhost: x\r\naccept: */*\r\n"
+                                b"x-one-more: 12345678\r\n\r\n")
     assert Recording.seen == ["opened 1 True", "head_begins", f"too large {kind}", "closed"]
     assert routed == [] and answer == b""  # no route ran; uvicorn's own 400 was not sent
 
