@@ -36,6 +36,7 @@ from appliance.recovery.replay import engine_back, engine_died, engine_fault, lo
 from appliance.recovery.stream import KEPT_BYTES, Continuation
 from appliance.settings import ResumeSettings
 from appliance.sse import END as EVENT_END
+from appliance.sse import END_SIZE as EVENT_END_SIZE
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -407,8 +408,7 @@ class Relay:
             return False
         record, link = self._record, self._link
         assert link is not None
-        # (A slice, not endswith: in CPython 3.11 its arguments cost more than the compare.)
-        if record is not None and not (record.verbatim and chunk[-2:] == EVENT_END):
+        if record is not None and not (record.verbatim and chunk[-EVENT_END_SIZE:] == EVENT_END):
             if not link.writable():  # asked before the record takes the chunk: it takes it once
                 return False
             chunk = record.take(chunk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 END = b"\n\n"  # what ends an event (vLLM writes no other line ending)
+END_SIZE = len(END)  # `chunk[-END_SIZE:] == END`: endswith's argument parsing costs more
 
 
 class Events:

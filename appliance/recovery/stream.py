@@ -32,6 +32,7 @@ import msgspec
 
 from appliance.fences.vllm import TokenIds
 from appliance.sse import END as _END
+from appliance.sse import END_SIZE as _END_SIZE
 from appliance.sse import Events
 
 _DATA = b"data: "
@@ -145,7 +146,7 @@ class StreamRecord(Record):
 
     def take(self, chunk: bytes) -> bytes:
         """The worker's bytes as the client gets them, kept to be read for their ids."""
-        if self.verbatim and chunk[-2:] == _END:
+        if self.verbatim and chunk[-_END_SIZE:] == _END:
             self._keep(chunk)  # the hot path, most of a stream's events: whole ones, as they came
             return chunk
         events = self._events.whole(chunk)  # whole events only: a seam never cuts one
