@@ -12,12 +12,14 @@ by the supervisor's collector into the same registry; see supervisor/collector.p
 from __future__ import annotations
 
 import time
+from typing import Any, TypeVar
 
 import structlog
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from appliance.admission.clients import ANONYMOUS
 from appliance.context import CLIENT_NAME, NO_CLIENT
@@ -25,6 +27,8 @@ from appliance.errors import ApiError
 from appliance.fences.litestar import handler_of, route_of
 
 log = structlog.get_logger("appliance.metrics")
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNROUTED = "other"  # the label for paths no route serves: bounded cardinality
@@ -78,6 +82,9 @@ class RequestMetrics:
         self.unhandled_exceptions = Counter("appliance_unhandled_exceptions",
                                             "Requests that failed on a bug of the appliance.",
                                             ["route"], registry=r)
+        # Each metric's child per label values, as every request asks for them: `labels()`
+        # sorts its keywords, makes strings of the values and takes a lock, every time.
+        self._children: dict[tuple[Any, ...], Any] = {}
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         """Counts every answer by route and status and times it to the last byte; writes the
@@ -110,27 +117,35 @@ class RequestMetrics:
     def _count(self, scope: Scope, status: int, elapsed: float) -> None:
         handler = handler_of(scope)
         route = (route_of(scope) or UNROUTED) if handler is not None else UNROUTED
-        self.requests.labels(route=route, status=str(status), client=self._client()).inc()
-        self.duration.labels(route=route).observe(elapsed)
+        self._child(self.requests, route, str(status), self._client()).inc()
+        self._child(self.duration, route).observe(elapsed)
         if handler is None or not handler.opt.get("quiet"):
             log.info("request.completed", method=scope.get("method"), route=route,
                      status=status, duration_ms=round(elapsed * 1000, 1))
 
     def first_token(self, route: str, seconds: float) -> None:
         """A stream's first chunk went out `seconds` after the request arrived."""
-        self.ttft.labels(route=route).observe(seconds)
+        self._child(self.ttft, route).observe(seconds)
         self.ttft_sum += seconds
         self.ttft_count += 1
 
     def disconnected(self, stream: bool) -> None:
-        self.disconnects.labels(stream="true" if stream else "false").inc()
+        self._child(self.disconnects, "true" if stream else "false").inc()
 
     def error_answered(self, error: ApiError, route: str) -> None:
         """Every error answer counts as a rejection by its reason; a bug of ours also by route
         (appliance.error_answer logs it)."""
-        self.rejections.labels(reason=error.reason, client=self._client()).inc()
+        self._child(self.rejections, error.reason, self._client()).inc()
         if error.bug is not None:
-            self.unhandled_exceptions.labels(route=route).inc()
+            self._child(self.unhandled_exceptions, route).inc()
+
+    def _child(self, metric: M, *values: str) -> M:
+        """`metric.labels(*values)`, in the order of its label names; kept once made."""
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def _client(self) -> str:
         name = CLIENT_NAME.get()
