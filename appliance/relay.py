@@ -403,7 +403,7 @@ class Relay:
         _stream takes it (the client is not keeping up, an ASGI send is under way, or the
         engine died: that is the loop's to handle). A stream's every event comes here: once its
         record reads nothing more on the way, an event costs the write, an append to the
-        record's `kept` and `_relayed`."""
+        record's `kept` and what `_relayed` does for a steady stream's event, inline."""
         if self._sending or chunk.find(self._dead) >= 0:  # (find: see _from_worker)
             return False
         record, link = self._record, self._link
@@ -423,7 +423,10 @@ class Relay:
             record.kept_bytes += len(chunk)
             if record.kept_bytes > KEPT_BYTES:
                 record.read_kept()
-        self._relayed(chunk)
+        if self._answering and not self._cost.measuring:  # _relayed's only step here: no call
+            self._before_last, self._last = self._last, chunk
+        else:
+            self._relayed(chunk)
         return True
 
     def _relayed(self, chunk: bytes) -> None:

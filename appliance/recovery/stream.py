@@ -209,15 +209,16 @@ class StreamRecord(Record):
         events at their end that carried no text (a character not complete yet) are recorded
         as not the client's."""
         ids = list(filter(None, _IDS.findall(events)))
-        if _FINISHED in events:
+        # find, not `in`: bytes' `in` first tries its operand as an int (relay._from_worker)
+        if events.find(_FINISHED) >= 0:
             self._finished = True
         if not ids:
             return
         held = 0  # of those ids, in the events without text at the end
         for event in reversed(events.split(_END)):
-            if _GENERATED_KEY not in event:
+            if event.find(_GENERATED_KEY) < 0:
                 continue  # the usage event, [DONE], what follows the last event
-            if self.no_text not in event:
+            if event.find(self.no_text) < 0:
                 break
             held += len(list(filter(None, _IDS.findall(event))))
         if held < len(ids):
