@@ -20,7 +20,7 @@ from appliance.apis.openai.api import OPENAI
 from appliance.apis.responses import routes as responses
 from appliance.apis.shape import ErrorShape
 from appliance.apis.tokenizer import routes as tokenizer
-from appliance.context import REQUEST_ID, request_context
+from appliance.context import REQUEST_ID, headers_of, request_context
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer
 from appliance.errors import (
@@ -28,7 +28,8 @@ from appliance.errors import (
     BadRequest,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
+    body_incomplete,
+    body_too_large,
     internal_error,
 )
 from appliance.fences.litestar import client_left, route_of
@@ -96,7 +97,9 @@ def create_app(
             await upstream.aclose()
 
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-        answer = error_answer(_as_api_error(exc), _shape(request), request.headers.get(REQUEST_ID),
+        request_id = headers_of(request.scope).get(REQUEST_ID)
+        answer = error_answer(_as_api_error(exc), _shape(request),
+                              None if request_id is None else request_id.decode("latin-1"),
                               metrics, route=route_of(request.scope) or UNROUTED)
         return Response(content=answer.body, status_code=answer.status,
                         media_type="application/json", headers=answer.headers)
@@ -138,10 +141,8 @@ def _as_api_error(exc: Exception) -> ApiError:
     """Our errors as they are; Litestar's own refusals in our vocabulary; anything else a bug."""
     if isinstance(exc, ApiError):
         return exc
-    if client_left(exc):  # a body cut short: nobody may be listening, but it is no bug of ours
-        return BadRequest("the request body ended before it was complete (its Content-Length, "
-                          "or a chunk that could not be read)", code="body_incomplete",
-                          reason="body_incomplete")
+    if client_left(exc):  # a body cut short (read by Litestar)
+        return body_incomplete()
     if isinstance(exc, HTTPException):
         status = exc.status_code
         if status == 404:
@@ -150,8 +151,7 @@ def _as_api_error(exc: Exception) -> ApiError:
             return MethodNotAllowed("method not allowed on this route", code="method_not_allowed",
                                     reason="method_not_allowed")
         if status == 413:
-            return PayloadTooLarge("request body too large (setting server.max_body_bytes)",
-                                   code="body_too_large", reason="body_too_large")
+            return body_too_large()
         if status < 500:
             return BadRequest(str(exc.detail), code="bad_request", reason="bad_input")
     return internal_error(exc)

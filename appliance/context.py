@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import structlog
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-REQUEST_ID = "x-request-id"
-_REQUEST_ID = b"x-request-id"
+REQUEST_ID = b"x-request-id"
+_HEADERS = "chat-appliance.headers"  # the scope key of headers_of's mapping
 # What a request id may be: short, and characters that survive a header, a log line and the
 # engine's completion id unchanged. Anything else is replaced, never echoed.
 _VALID_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
@@ -31,13 +31,15 @@ def request_context(app: ASGIApp) -> ASGIApp:
         if scope["type"] != ScopeType.HTTP:
             await app(scope, receive, send)
             return
-        given = [v for k, v in scope["headers"] if k == _REQUEST_ID]
+        headers = scope["headers"]
+        given = [v for k, v in headers if k == REQUEST_ID]
         if len(given) == 1 and _VALID_ID.fullmatch(given[0]):
             request_id = given[0].decode("ascii")
         else:
             request_id = os.urandom(16).hex()  # uuid4().hex's 32 hex digits, a fifth the cost
-            scope["headers"] = [*(h for h in scope["headers"] if h[0] != _REQUEST_ID),
-                                (_REQUEST_ID, request_id.encode("ascii"))]
+            kept = [h for h in headers if h[0] != REQUEST_ID] if given else list(headers)
+            kept.append((REQUEST_ID, request_id.encode("ascii")))
+            scope["headers"] = kept
         bound = {"request_id": request_id}
         if (trace_id := _trace_id(scope["headers"])) is not None:
             bound["trace_id"] = trace_id
@@ -50,6 +52,17 @@ def request_context(app: ASGIApp) -> ASGIApp:
             structlog.contextvars.reset_contextvars(**tokens)
 
     return middleware
+
+
+def headers_of(scope: Scope) -> Mapping[bytes, bytes]:
+    """The request's headers by name (lower-case, as ASGI gives them), the first of each, as
+    they came; made once per request, after request_context put the request id in. Litestar's
+    `request.headers` decodes every header into a multidict, the first time on each request."""
+    found: Mapping[bytes, bytes] | None = scope.get(_HEADERS)  # type: ignore[assignment]
+    if found is None:
+        first_last = reversed(list(scope["headers"]))  # ASGI: an iterable; the first one wins
+        found = scope[_HEADERS] = dict(first_last)  # type: ignore[literal-required]
+    return found
 
 
 def _trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:

@@ -161,6 +161,19 @@ def engine_lost(retry_after_s: int) -> EngineUnavailable:
                              code="engine_lost", retry_after_s=retry_after_s, reason="engine_lost")
 
 
+def body_too_large() -> PayloadTooLarge:
+    return PayloadTooLarge("request body too large (setting server.max_body_bytes)",
+                           code="body_too_large", reason="body_too_large")
+
+
+def body_incomplete() -> BadRequest:
+    """The client's connection ended before the request's body did: nobody may be listening,
+    but it is no bug of ours."""
+    return BadRequest("the request body ended before it was complete (its Content-Length, "
+                      "or a chunk that could not be read)", code="body_incomplete",
+                      reason="body_incomplete")
+
+
 def internal_error(bug: BaseException) -> InternalError:
     """A bug of ours as the client's answer; the log line (with the request id) has the rest."""
     error = InternalError("internal error; the request id is in the appliance's log",

@@ -14,8 +14,8 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
 from appliance.apis.api import GenerationApi, WorkerRoute
-from appliance.context import REQUEST_ID
-from appliance.errors import BadRequest, RequestTimeout
+from appliance.context import REQUEST_ID, headers_of
+from appliance.errors import BadRequest, RequestTimeout, body_incomplete, body_too_large
 from appliance.fences.uvicorn import client_link
 from appliance.gate.gate import Vetted
 from appliance.outbound import Outbound, PassThrough, Refine
@@ -25,7 +25,7 @@ from appliance.routes.handlers import get, post
 from appliance.settings import PolicySettings, ServerSettings
 
 # Request headers the worker should see: tracing context, so vLLM continues the client's trace.
-_FORWARDED = ("traceparent", "tracestate")
+_FORWARDED = (b"traceparent", b"tracestate")
 
 Prepare = Callable[[Vetted], None]  # a route's own step between the gate and the relay
 
@@ -43,7 +43,7 @@ def generation(api: GenerationApi, deps: RouteDeps,
     relay, server = deps.relay, deps.server
 
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
-        raw = await read_json_body(request, server.body_timeout_s)
+        raw = await read_json_body(request, server)
         vetted = await relay.gate.vet(raw, api, client_of(request))
         if prepare is not None:
             prepare(vetted)
@@ -66,22 +66,48 @@ def passed_through(route: WorkerRoute, deps: RouteDeps,
 
 def relay_for(outbound: Outbound, request: Request[Any, Any, Any], relay: RelayDeps) -> Relay:
     """The relay that answers this request, with the headers the worker should see."""
-    forward = {name: value for name in _FORWARDED if (value := request.headers.get(name))}
-    return Relay(outbound, relay, request.headers[REQUEST_ID], forward)
+    headers = headers_of(request.scope)
+    forward = {name.decode(): value.decode("latin-1") for name in _FORWARDED
+               if (value := headers.get(name))}
+    return Relay(outbound, relay, headers[REQUEST_ID].decode("latin-1"), forward)
 
 
-async def read_json_body(request: Request[Any, Any, Any], timeout_s: float) -> bytes:
-    """The whole body, within `timeout_s` of the headers; JSON only, as vLLM requires."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
+async def read_json_body(request: Request[Any, Any, Any], server: ServerSettings) -> bytes:
+    """The whole body, within server.body_timeout_s of the headers and at most
+    server.max_body_bytes; JSON only, as vLLM requires."""
+    media_type = headers_of(request.scope).get(b"content-type", b"")
+    if media_type.split(b";", 1)[0].strip().lower() != b"application/json":
         raise BadRequest("Unsupported Media Type: only 'application/json' is accepted.",
                          code="unsupported_media_type")
     link = client_link(request.scope)
     if link is not None and link.has_body():
-        return await request.body()  # nothing left to wait for: no deadline to arm
+        return await _body(request, server.max_body_bytes)  # no deadline to arm: it is here
+    timeout_s = server.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
-            return await request.body()
+            return await _body(request, server.max_body_bytes)
     except TimeoutError as exc:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g}s",
                              code="body_timeout") from exc
+
+
+async def _body(request: Request[Any, Any, Any], max_bytes: int) -> bytes:
+    """The body from ASGI's receive, as Litestar's `request.body()` reads it (its Content-Length
+    and then its bytes held to `max_bytes`), without the headers multidict and async generator
+    Litestar builds for it on every request."""
+    declared = headers_of(request.scope).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise body_too_large()  # before reading any of it
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request":  # http.disconnect: the client went first
+            raise body_incomplete()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise body_too_large()
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

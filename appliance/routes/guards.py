@@ -9,7 +9,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 
 from appliance.admission.clients import ANYONE, Client, Roster
-from appliance.context import bind_client
+from appliance.context import bind_client, headers_of
 from appliance.engine import EngineState, EngineView
 from appliance.errors import Forbidden, engine_unavailable
 
@@ -26,9 +26,9 @@ def key_guard(clients: Roster, *, x_api_key: bool = False) -> Guard:
 
     # Async on purpose: Litestar runs a sync guard on a worker thread, a thread hop per request.
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:  # type: ignore[type-arg]
-        headers = connection.headers
-        client = clients.identify(headers.get("authorization"),
-                                  headers.get("x-api-key", "") if x_api_key else None)
+        headers = headers_of(connection.scope)
+        client = clients.identify(_text(headers.get(b"authorization")),
+                                  _text(headers.get(b"x-api-key", b"")) if x_api_key else None)
         bind_client(client.name)
         connection.scope.setdefault("state", {})[_CLIENT] = client
         route = str(connection.scope.get("path_template") or connection.scope["path"])
@@ -37,6 +37,10 @@ def key_guard(clients: Roster, *, x_api_key: bool = False) -> Guard:
                             code="route_not_allowed", reason="route_not_allowed")
 
     return guard
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
 
 
 def client_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Client:

@@ -36,7 +36,7 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
 
     @post("/invocations", name="invocations", status_code=200)
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
-        raw = await read_json_body(request, server.body_timeout_s)
+        raw = await read_json_body(request, server)
         body = policy.parse_json(raw)
         if body.get("messages") is None and body.get("prompt") is None \
                 and body.get("prompt_embeds") is None:
