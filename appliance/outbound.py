@@ -68,6 +68,9 @@ class Outbound(Protocol):
     @property
     def constraint(self) -> str | None: ...  # its output constraint's parameter, for the cost watch
 
+    @property
+    def clean_end(self) -> bytes | None: ...  # how a read of its stream with no death ends
+
     def body(self) -> bytes | None: ...
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
@@ -105,6 +108,7 @@ class PassThrough(StreamAsked):
     prompt_tokens: None = None
     record: None = None  # nothing generated: a pass-through is sent again whole
     constraint: None = None
+    clean_end: None = None  # every read of a stream passed through is searched for a death
 
     @property
     def shape(self) -> ErrorShape:

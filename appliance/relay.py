@@ -35,8 +35,6 @@ from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
 from appliance.recovery.stream import KEPT_BYTES, Continuation
 from appliance.settings import ResumeSettings
-from appliance.sse import END as EVENT_END
-from appliance.sse import END_SIZE as EVENT_END_SIZE
 from appliance.upstream import Reply, Upstream
 
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
@@ -148,6 +146,10 @@ class Relay:
         # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
         # in its converter's words (one search per chunk either way).
         self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
+        # How a read of its stream ends when it cannot hold that error (a token event): such a
+        # read is not searched (an empty end: every read is).
+        self._clean = outbound.clean_end or b""
+        self._clean_size = len(self._clean)
         self._last = self._before_last = b""  # the last two chunks relayed (StreamSoFar)
         self._record = outbound.record if deps.resume.enabled else None  # to resume a stream
         self._started = False  # the head has gone to the client
@@ -401,21 +403,18 @@ class Relay:
     def _write_direct(self, chunk: bytes) -> bool:
         """One read of the worker, straight to the client's connection; False: the loop in
         _stream takes it (the client is not keeping up, an ASGI send is under way, or the
-        engine died: that is the loop's to handle). A stream's every event comes here: once its
-        record reads nothing more on the way, an event costs the write, an append to the
-        record's `kept` and what `_relayed` does for a steady stream's event, inline."""
-        if self._sending or chunk.find(self._dead) >= 0:  # (find: see _from_worker)
+        engine died: that is the loop's to handle). A stream's every event comes here. A read
+        that ends with a token event (the API's clean end) holds no error event of a death: of
+        a steady stream, it costs the write, an append to its record's `kept` and what
+        `_relayed` does for a steady stream's event, inline, with no search and no call."""
+        if self._sending:
             return False
-        record, link = self._record, self._link
+        record = self._record
+        if (not self._clean_size or chunk[-self._clean_size:] != self._clean
+                or (record is not None and not record.verbatim)):
+            return self._write_searched(chunk)
+        link = self._link
         assert link is not None
-        if record is not None and not (record.verbatim and chunk[-EVENT_END_SIZE:] == EVENT_END):
-            if not link.writable():  # asked before the record takes the chunk: it takes it once
-                return False
-            chunk = record.take(chunk)
-            if chunk:
-                link.write(chunk)
-                self._relayed(chunk)
-            return True
         if not link.write(chunk):
             return False
         if record is not None:  # kept as it came (Record.kept: no call per event)
@@ -427,6 +426,25 @@ class Relay:
             self._before_last, self._last = self._last, chunk
         else:
             self._relayed(chunk)
+        return True
+
+    def _write_searched(self, chunk: bytes) -> bool:
+        """_write_direct's read that may hold a death's error event, or that the record reads."""
+        if chunk.find(self._dead) >= 0:  # (find: see _from_worker)
+            return False
+        record, link = self._record, self._link
+        assert link is not None
+        if record is None:
+            if not link.write(chunk):
+                return False
+        else:
+            if not link.writable():  # asked before the record takes the chunk: it takes it once
+                return False
+            chunk = record.take(chunk)
+            if not chunk:
+                return True
+            link.write(chunk)
+        self._relayed(chunk)
         return True
 
     def _relayed(self, chunk: bytes) -> None:

@@ -39,6 +39,10 @@ class GenerationApi:
     # A stream reports its usage only when `stream_options.include_usage` asks (OpenAI's chat
     # and completions); the other APIs always report it.
     usage_on_request: ClassVar[bool] = False
+    # How a token event of its stream ends, where the worker writes the error event of an engine
+    # death only after its last one: a read ending so holds no such error, and the relay writes
+    # it unsearched. None: every read is searched.
+    clean_end: ClassVar[bytes | None] = None
 
     def screen(self, raw: bytes, limits: PolicySettings) -> None:
         """Bounds checked on the raw bytes, before parsing costs anything."""

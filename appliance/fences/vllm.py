@@ -151,6 +151,13 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
 # it writes an `internal_error` event of its own quoting pydantic's message, whose excerpt of
 # the event starts with ENGINE_DEAD_MESSAGE's first letters; the server then exits.
 ANTHROPIC_ENGINE_DEAD = "input_value={'error': {'message': 'En"
+# How a chat or completions stream's token events end: their `choices` list closes, then the
+# event (exclude_unset leaves no field after it, but the last event's system_fingerprint;
+# vllm/entrypoints/openai/{chat_completion,completion}/serving.py). Those generators write the
+# death's error event (an object under "error", so it ends `}}`) only as their last event but
+# `data: [DONE]`: a read that ends with a token event holds no such error, and only other reads
+# need searching for it.
+TOKEN_EVENT_END = b"]}\n\n"
 # The stateless routes that render a body's prompt exactly as generating it would, with the
 # sampling parameters it resolves (vllm/entrypoints/scale_out/render/): a Responses or
 # Anthropic stream is continued from them.

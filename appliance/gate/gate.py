@@ -71,6 +71,10 @@ class Vetted(StreamAsked):
         return self.api.path
 
     @property
+    def clean_end(self) -> bytes | None:
+        return self.api.clean_end
+
+    @property
     def client_name(self) -> str:
         return self.client.name
 

@@ -231,8 +231,10 @@ class SyntheticWorker:
             if chat and finish:
                 delta["stop_reason"] = None
             delta["token_ids"] = [1000 + i] if ids is not None else None
+            # "n": the event's number, for tests; before the choices, which vLLM's token
+            # events end with (appliance/fences/vllm.py, TOKEN_EVENT_END).
             chunk = {"id": completion_id, "object": "chat.completion.chunk",
-                     "created": 0, "model": self.model, "choices": [delta], "n": i}
+                     "created": 0, "model": self.model, "n": i, "choices": [delta]}
             if ids is not None and i == 0:
                 (chunk if chat else delta)["prompt_token_ids"] = [1] * ids
             self.generated_tokens += 1

@@ -19,7 +19,7 @@ from appliance.apis.counting import (
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
 from appliance.apis.shape import StreamSoFar
 from appliance.errors import ApiError
-from appliance.fences.vllm import TokenIds
+from appliance.fences.vllm import TOKEN_EVENT_END, TokenIds
 from appliance.policy import fields
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
 from appliance.settings import Settings
@@ -51,6 +51,7 @@ class ChatApi(ConversationApi):
     fields = fields.ChatFields
     budget_fields = CHAT_BUDGET
     usage_on_request = True
+    clean_end = TOKEN_EVENT_END
 
     def validate(self, body: Mapping[str, Any]) -> None:
         policy.validate_chat(body)
@@ -89,6 +90,7 @@ class CompletionApi(GenerationApi):
     fields = fields.CompletionFields
     budget_fields = COMPLETION_BUDGET
     usage_on_request = True
+    clean_end = TOKEN_EVENT_END
 
     def validate(self, body: Mapping[str, Any]) -> None:
         policy.validate_completion(body)
