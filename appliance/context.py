@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
-import structlog
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Receive, Scope, Send
 
@@ -40,16 +40,13 @@ def request_context(app: ASGIApp) -> ASGIApp:
             kept = [h for h in headers if h[0] != REQUEST_ID] if given else list(headers)
             kept.append((REQUEST_ID, request_id.encode("ascii")))
             scope["headers"] = kept
-        bound = {"request_id": request_id}
-        if (trace_id := _trace_id(scope["headers"])) is not None:
-            bound["trace_id"] = trace_id
-        # Bound and reset by token: structlog's bound_contextvars() first copies the whole
-        # context to save what it will restore, on every request.
-        tokens = structlog.contextvars.bind_contextvars(**bound)
+        bound = REQUEST_ID_VAR.set(request_id)
+        traced = TRACE_ID_VAR.set(_trace_id(scope["headers"]))
         try:
             await app(scope, receive, send)
         finally:
-            structlog.contextvars.reset_contextvars(**tokens)
+            TRACE_ID_VAR.reset(traced)
+            REQUEST_ID_VAR.reset(bound)
 
     return middleware
 
@@ -76,13 +73,33 @@ def _trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return match.group(1).decode("ascii")
 
 
-# The caller's client name for this request's metrics labels (its log lines get it through
-# structlog's context). Set by the key guard; "none" where no key guard ran.
+# The caller's client name for this request's metrics labels and log lines. Set by the key
+# guard; "none" where no key guard ran.
 NO_CLIENT = "none"  # before or without a key check
 CLIENT_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("client_name", default=NO_CLIENT)
+# The request's id and trace id, for its log lines (request_context sets and resets them).
+REQUEST_ID_VAR: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id",
+                                                                        default=None)
+TRACE_ID_VAR: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
 
 
 def bind_client(name: str) -> None:
     """Name the request's client in every later log line and metric label of the request."""
     CLIENT_NAME.set(name)
-    structlog.contextvars.bind_contextvars(client=name)
+
+
+def add_request_fields(_: object, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A structlog processor: the request's id, trace id and client into each of its log lines
+    (a field the line names itself is kept). Three reads of this module's context variables:
+    structlog's merge_contextvars copies the whole context and walks each variable in it, and
+    its bind_contextvars makes a token per field, on every request."""
+    request_id = REQUEST_ID_VAR.get()
+    if request_id is not None:
+        event.setdefault("request_id", request_id)
+        trace_id = TRACE_ID_VAR.get()
+        if trace_id is not None:
+            event.setdefault("trace_id", trace_id)
+    client = CLIENT_NAME.get()
+    if client != NO_CLIENT:
+        event.setdefault("client", client)
+    return event

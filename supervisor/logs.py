@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import msgspec
 import structlog
 
+from appliance.context import add_request_fields
 from appliance.settings import LoggingSettings
 
 _SECRET_KEYS = ("authorization", "api_key", "api_keys", "password", "token", "secret")
@@ -28,6 +30,23 @@ def _mask_secrets(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
     return event
 
 
+_stamped = (-1, "")  # the last second stamped (Unix time) and its ISO form, shared by threads
+
+
+def _stamp(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """The time in ISO 8601, UTC, to the microsecond: `2026-12-03T07:12:00.123456Z`. The date
+    and time of day are formatted once a second; structlog's TimeStamper makes a timezone-aware
+    datetime and formats it whole on every line, a quarter of the access line's cost."""
+    global _stamped
+    now = time.time()
+    second = int(now)
+    stamped = _stamped
+    if stamped[0] != second:
+        stamped = _stamped = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    event["timestamp"] = f"{stamped[1]}.{int((now - second) * 1_000_000):06d}Z"
+    return event
+
+
 def _json_line(event: MutableMapping[str, Any], **_: Any) -> str:
     # msgspec: a third of json.dumps' cost on the per-request access line; anything it
     # cannot encode is shown as its repr, as structlog's own renderer does.
@@ -42,9 +61,9 @@ def configure(settings: LoggingSettings, stream: TextIO | None = None) -> None:
     level = getattr(logging, settings.level.upper())
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            add_request_fields,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _stamp,
             _mask_secrets,
             structlog.processors.format_exc_info,
             renderer,

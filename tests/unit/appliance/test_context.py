@@ -6,10 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
-import structlog
 
 from appliance.app import create_app
-from appliance.context import request_context
+from appliance.context import add_request_fields, request_context
 from appliance.settings import Settings
 from tests.support.synthetic_upstream import SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, free_port, serving
@@ -20,11 +19,11 @@ TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
 async def bound_context(headers: dict[str, str]) -> dict[str, Any]:
-    """What request_context binds for a request with `headers` (every log line merges it)."""
+    """What a log line of a request with `headers` is given by request_context's binding."""
     seen: dict[str, Any] = {}
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.update(structlog.contextvars.get_contextvars())
+        seen.update(add_request_fields(None, "info", {}))
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 

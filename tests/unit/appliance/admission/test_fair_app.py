@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from appliance.admission.slots import Admission
 from appliance.app import create_app
+from appliance.context import add_request_fields
 from appliance.settings import Settings
 from tests.metrics_text import value
 from tests.support.synthetic_upstream import FINGERPRINT, SyntheticWorker
@@ -93,7 +93,7 @@ async def test_an_open_metrics_page_counts_named_clients_together_and_names_none
 
 async def test_every_log_line_of_a_request_names_its_client_and_never_its_key() -> None:
     async with upstream() as (_, url), appliance(url) as client:
-        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        with capture_logs(processors=[add_request_fields]) as logs:
             await client.post("/v1/chat/completions", json=CHAT, headers=auth("steady"))
             await client.post("/v1/chat/completions", json=CHAT, headers=auth("plain"))
     completed = [entry for entry in logs if entry["event"] == "request.completed"]
