@@ -60,6 +60,7 @@ from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.v1.engine.exceptions import EngineDeadError
 dead = json.dumps({"error": {"message": str(EngineDeadError()), "type": "InternalServerError",
                              "param": None, "code": 500}})
+facts["dead_event"] = dead
 try:
     ChatCompletionStreamResponse.model_validate_json(dead)
     facts["anthropic_dead"] = None
@@ -231,3 +232,29 @@ def test_responses_and_messages_bodies_render_as_generating_them_would() -> None
     routes = engine_sources("vllm/entrypoints/scale_out/render/api_router.py")
     for path in (vllm.RESPONSES_RENDER, vllm.MESSAGES_RENDER):
         VLLM.require(f'"{path}"' in routes, f"vLLM's render router serves {path}")
+
+
+def test_a_read_ending_with_a_token_event_holds_no_death_of_the_engine() -> None:
+    """The relay searches a chat or completions read for the death's error event only where it
+    does not end with a token event (appliance/relay.py, TOKEN_EVENT_END): the generators write
+    that error as their last event but [DONE], and it ends otherwise."""
+    for route in ("chat_completion", "completion"):
+        serving = engine_sources(f"vllm/entrypoints/openai/{route}/serving.py")
+        VLLM.require(re.search(r'data = self\.create_streaming_error_response\(e\)\n\s+'
+                               r'yield f"data: \{data\}\\n\\n"\n(\s+#.*\n)*\s+'
+                               r'yield "data: \[DONE\]\\n\\n"', serving) is not None,
+                     f"{route}'s stream writes the error event, then only [DONE]")
+    dead = "data: " + str(engine_facts()["dead_event"]) + "\n\n"
+    VLLM.require(not dead.encode().endswith(vllm.TOKEN_EVENT_END),
+                 "the death's error event does not end as a token event", dead[-40:])
+    recorded = Path(__file__).parents[1] / "appliance" / "admission" / "recorded"
+    for stream in sorted(recorded.glob("*.sse")):
+        events = [event + b"\n\n" for event in stream.read_bytes().split(b"\n\n") if event]
+        # Every event with choices, but a chat stream's first (its prompt's fields follow its
+        # choices) and the last token's (its fingerprint does, unless usage was asked).
+        read = [(e, json.loads(e[6:])) for e in events if e.startswith(b"data: {")]
+        tokens = [e for e, data in read if data["choices"]
+                  and not {"system_fingerprint", "prompt_token_ids"} & data.keys()]
+        assert tokens, stream
+        VLLM.require(all(e.endswith(vllm.TOKEN_EVENT_END) for e in tokens),
+                     f"vLLM's token events (as recorded in {stream.name}) end as TOKEN_EVENT_END")
