@@ -78,17 +78,21 @@ class GenerationApi:
         """Whether count_prompt's count is the whole request's prompt, to charge it by."""
         return True
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings) -> Record | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings, *,
+                      media: bool | None = None) -> Record | None:
         """What lets its stream continue on a new worker after an engine fault, or None: the
-        request is then sent again only while its client has received nothing of it."""
+        request is then sent again only while its client has received nothing of it. `media`:
+        whether the body holds any, where the caller already looked (None: looked up)."""
         return None
 
     def plain_text(self, body: Mapping[str, Any], settings: Settings,
-                   plain: Callable[[Mapping[str, Any]], bool]) -> bool:
+                   plain: Callable[[Mapping[str, Any]], bool], media: bool | None = None) -> bool:
         """Whether a stream's tokens alone say where it stands: `plain` by its protocol's
         fields, no media, and its reasoning not parsed apart (the parser's state is the
         worker's)."""
-        return not settings.engine.reasoning_parser and not self.media(body) and plain(body)
+        if settings.engine.reasoning_parser or not plain(body):
+            return False
+        return not (self.media(body) if media is None else media)
 
 
 class ConversationApi(GenerationApi):

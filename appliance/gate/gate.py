@@ -138,13 +138,13 @@ class Gate:
                         client=client, constraint=constraint)
         self._apply_client(vetted)
         if self._settings.resume.enabled:
-            self._keep_record(vetted)
+            self._keep_record(vetted, media=bool(media))
         return vetted
 
-    def _keep_record(self, vetted: Vetted) -> None:
+    def _keep_record(self, vetted: Vetted, *, media: bool) -> None:
         """A stream that can be continued after an engine fault asks for its token ids (where
         its record continues from them)."""
-        record = vetted.api.stream_record(vetted.payload, self._settings)
+        record = vetted.api.stream_record(vetted.payload, self._settings, media=media)
         payload = vetted.payload
         if record is None or (record.token_ids and payload.get(TokenIds.REQUEST) is False):
             return  # (a client that declined the ids gets none: replayed before its first byte)

@@ -62,7 +62,10 @@ class Continuation:
 
 def asks_any(body: Mapping[str, Any], fields: frozenset[str]) -> bool:
     """Whether the body gives any of these fields a value that asks for something (such a
-    field keeps a stream from resuming: its answer's state is more than its tokens)."""
+    field keeps a stream from resuming: its answer's state is more than its tokens). Most
+    bodies have none of them: one look at each of their keys."""
+    if fields.isdisjoint(body):
+        return False
     return any(body[name] not in (None, False, [], "", 0) for name in fields.intersection(body))
 
 
@@ -286,7 +289,7 @@ class StreamRecord(Record):
 
     def usage_asked(self) -> bool:
         options = self._payload.get("stream_options")
-        return isinstance(options, Mapping) and options.get("include_usage") is True
+        return isinstance(options, dict) and options.get("include_usage") is True
 
     def usage_event(self, fingerprint: str | None) -> bytes:
         """The whole answer's usage event, as the protocol's stream ends with it."""

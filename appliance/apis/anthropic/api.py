@@ -106,10 +106,11 @@ class MessagesApi(ConversationApi):
         turns = (len(messages) if isinstance(messages, list) else 0) + 1  # and the system
         return chat_bound(body, raw_len, limits, turns, multimodal)
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings
-                      ) -> MessagesRecord | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings, *,
+                      media: bool | None = None) -> MessagesRecord | None:
         """A plain text stream (see appliance/apis/anthropic/resume.py)."""
-        return MessagesRecord(body) if self.plain_text(body, settings, plain_message) else None
+        plain = self.plain_text(body, settings, plain_message, media)
+        return MessagesRecord(body) if plain else None
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:

@@ -36,10 +36,10 @@ def plain_message(body: Mapping[str, Any]) -> bool:
     if asks_any(body, _STATEFUL):
         return False
     thinking = body.get("thinking")
-    if isinstance(thinking, Mapping) and thinking.get("type") != "disabled":
+    if isinstance(thinking, dict) and thinking.get("type") != "disabled":
         return False
     config = body.get("output_config")
-    return not (isinstance(config, Mapping) and config.get("format") is not None)
+    return not (isinstance(config, dict) and config.get("format") is not None)
 
 
 class MessagesRecord(TextRecord):

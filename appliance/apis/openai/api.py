@@ -76,9 +76,10 @@ class ChatApi(ConversationApi):
                            counter: PromptCounter) -> int | None:
         return await counter.tokenize({k: body[k] for k in TEMPLATE_KEYS if k in body})
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings) -> ChatRecord | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings, *,
+                      media: bool | None = None) -> ChatRecord | None:
         """A plain text stream (see appliance/apis/openai/resume.py)."""
-        if not self.plain_text(body, settings, plain_stream):
+        if not self.plain_text(body, settings, plain_stream, media):
             return None
         return ChatRecord(body, ids_visible=body.get(TokenIds.REQUEST) is True)
 
@@ -107,8 +108,8 @@ class CompletionApi(GenerationApi):
     def one_prompt(self, body: Mapping[str, Any]) -> bool:
         return isinstance(body.get("prompt"), str)
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings
-                      ) -> CompletionRecord | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings, *,
+                      media: bool | None = None) -> CompletionRecord | None:
         """A plain stream of one prompt (text, or token ids): see appliance/apis/openai/resume.py."""
         prompt = body.get("prompt")
         single = isinstance(prompt, str) or (

@@ -48,10 +48,10 @@ def plain_stream(body: Mapping[str, Any]) -> bool:
     if asks_any(body, _STATEFUL):
         return False
     response_format = body.get("response_format")
-    if isinstance(response_format, Mapping) and response_format.get("type") not in (None, "text"):
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         return False
     options = body.get("stream_options")
-    return not (isinstance(options, Mapping) and options.get("continuous_usage_stats"))
+    return not (isinstance(options, dict) and options.get("continuous_usage_stats"))
 
 
 class _Continued(StreamRecord):

@@ -93,10 +93,11 @@ class ResponsesApi(GenerationApi):
         turns = (len(items) if isinstance(items, list) else 1) + 1  # and the instructions
         return chat_bound(body, raw_len, limits, turns, multimodal)
 
-    def stream_record(self, body: Mapping[str, Any], settings: Settings
-                      ) -> ResponsesRecord | None:
+    def stream_record(self, body: Mapping[str, Any], settings: Settings, *,
+                      media: bool | None = None) -> ResponsesRecord | None:
         """A plain text stream (see appliance/apis/responses/resume.py)."""
-        return ResponsesRecord(body) if self.plain_text(body, settings, plain_response) else None
+        plain = self.plain_text(body, settings, plain_response, media)
+        return ResponsesRecord(body) if plain else None
 
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:

@@ -52,8 +52,8 @@ def plain_response(body: Mapping[str, Any]) -> bool:
     if isinstance(include, list) and any("logprobs" in str(item) for item in include):
         return False
     text = body.get("text")
-    form = text.get("format") if isinstance(text, Mapping) else None
-    return not (isinstance(form, Mapping) and form.get("type") not in (None, "text"))
+    form = text.get("format") if isinstance(text, dict) else None
+    return not (isinstance(form, dict) and form.get("type") not in (None, "text"))
 
 
 class ResponsesRecord(TextRecord):
