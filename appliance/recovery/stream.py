@@ -23,7 +23,6 @@ generates them again.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,8 +47,6 @@ def _key(name: str) -> bytes:
 
 _PROMPT_KEY = _key(TokenIds.PROMPT)
 _GENERATED_KEY = _key(TokenIds.GENERATED)
-# One event's generated ids, in the group (an empty group: an event with none).
-_IDS = re.compile(rb'"' + TokenIds.GENERATED.encode() + rb'":\[([^\]]*)\]')
 
 
 @dataclass(frozen=True)
@@ -210,24 +207,25 @@ class StreamRecord(Record):
     def _read(self, events: bytes) -> None:
         """Whole events' generated ids recorded, and whether the last token came. The ids of the
         events at their end that carried no text (a character not complete yet) are recorded
-        as not the client's."""
-        ids = list(filter(None, _IDS.findall(events)))
+        as not the client's. One split at the ids' key, in C, then a step per event: a regex
+        scan cost five times as much (5.3k instructions an event)."""
         # find, not `in`: bytes' `in` first tries its operand as an int (relay._from_worker)
         if events.find(_FINISHED) >= 0:
             self._finished = True
-        if not ids:
+        parts = events.split(_GENERATED_KEY)  # each event's ids start the part after its key
+        if len(parts) == 1:
             return
-        held = 0  # of those ids, in the events without text at the end
-        for event in reversed(events.split(_END)):
-            if event.find(_GENERATED_KEY) < 0:
-                continue  # the usage event, [DONE], what follows the last event
-            if event.find(self.no_text) < 0:
+        groups = [part[:part.find(b"]")] for part in parts[1:]]
+        cut = len(groups)  # the events from here to the end carried no text
+        while cut:
+            before = parts[cut - 1]  # up to the event's ids, from the end of the one before
+            if before.find(self.no_text, before.rfind(_END) + 1) < 0:
                 break
-            held += len(list(filter(None, _IDS.findall(event))))
-        if held < len(ids):
-            self.record(b",".join(ids[:len(ids) - held]), True)
-        if held:
-            self.record(b",".join(ids[len(ids) - held:]), False)
+            cut -= 1
+        if settled := b",".join(filter(None, groups[:cut])):
+            self.record(settled, True)
+        if held := b",".join(filter(None, groups[cut:])):
+            self.record(held, False)
 
     def record(self, ids: bytes, has_text: bool) -> None:
         """Ids generated (digits and commas, possibly none), and whether their event carried
