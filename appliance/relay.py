@@ -422,8 +422,11 @@ class Relay:
             record.kept_bytes += len(chunk)
             if record.kept_bytes > KEPT_BYTES:
                 record.read_kept()
-        if self._answering and not self._cost.measuring:  # _relayed's only step here: no call
+        if self._answering:  # what _relayed does for a steady stream's event, with no call
             self._before_last, self._last = self._last, chunk
+            cost = self._cost
+            if cost.measuring:
+                cost.progressed(chunk.count(b"data:"))
         else:
             self._relayed(chunk)
         return True
