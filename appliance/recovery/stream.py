@@ -123,7 +123,8 @@ class StreamRecord(Record):
         self._payload = payload  # the body as forwarded (its budget fitted by then)
         self._visible = ids_visible  # the client asked for the ids itself: the prompt's stay
         self._events = Events()  # the start of an event whose end has not arrived
-        self.head: Head | None = None
+        self._first: bytes | None = None  # the first event (its prompt's ids cut), until read
+        self._head: Head | None = None
         self._prompt = b""  # the prompt's ids as the worker wrote them
         self._generated = bytearray()  # the generated ids, comma-separated
         self._settled = 0  # bytes of the ids up to the last event with text
@@ -168,12 +169,12 @@ class StreamRecord(Record):
             return event
         if self._continued:
             return self.translate(msgspec.json.decode(event[len(_DATA):]))
-        if self.head is None:
-            self._read_head(event[len(_DATA):])
         event, prompt = self._cut(event, _PROMPT_KEY)
+        if self._first is None and self._head is None:
+            self._first = event  # its head is read if a fault ever asks (Record.head)
         if prompt is not None and not self._prompt:
             self._prompt = prompt
-        self._steady = self.head is not None and bool(self._prompt)
+        self._steady = bool(self._prompt)
         self._read(event)
         return event
 
@@ -308,10 +309,19 @@ class StreamRecord(Record):
     continued_target = "/v1/completions"  # a prompt of token ids continues every stream here
     event_object: str  # the protocol's name for one event of its stream
 
-    def _read_head(self, data: bytes) -> None:
-        head = msgspec.json.decode(data, type=_HeadFields)
-        if head.id is not None and head.created is not None:
-            self.head = Head(head.id, head.created, head.model or "")
+    @property
+    def head(self) -> Head | None:
+        """What every event repeats, from the first event; read when first asked (a fault), not
+        on the stream's way (a decode of the whole event, most streams' only one)."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            try:
+                fields = _HEAD.decode(first[len(_DATA):])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return None  # not the worker's event: the stream cannot be continued
+            if fields.id is not None and fields.created is not None:
+                self._head = Head(fields.id, fields.created, fields.model or "")
+        return self._head
 
     no_text: bytes  # what an event without text for the client holds
 
@@ -328,6 +338,9 @@ class _HeadFields(msgspec.Struct):
     id: str | None = None
     created: int | None = None
     model: str | None = None
+
+
+_HEAD = msgspec.json.Decoder(_HeadFields)
 
 
 def sse(data: Mapping[str, Any]) -> bytes:

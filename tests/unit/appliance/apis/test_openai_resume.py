@@ -55,6 +55,17 @@ def test_the_client_gets_the_workers_stream_but_the_prompts_ids() -> None:
     assert record.resumable
 
 
+def test_the_head_is_read_from_the_first_event_when_asked_and_a_broken_one_cannot_resume(
+        ) -> None:
+    record = ChatRecord(CHAT, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556"))
+    assert record.head is not None and record.head.id == "chatcmpl-a9"
+    assert (record.head.created, record.head.model) == (17, "m")
+    broken = ChatRecord(CHAT, ids_visible=False)
+    broken.take(ROLE_IDS.replace(b'"created":17', b'"created":') + content("Hello", b"19556"))
+    assert broken.head is None and not broken.resumable  # read when asked, no exception
+
+
 def test_whole_events_pass_verbatim_once_the_first_is_read_and_keep_counts_as_take() -> None:
     """The relay's direct path writes a verbatim chunk itself and only appends it to `kept`: the
     record says when it may (never before the first event's prompt ids are cut, never while an
