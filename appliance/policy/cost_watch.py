@@ -71,7 +71,7 @@ class Verdict:
             code="request_too_costly")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Followed:
     """One request at the engine, as the watch sees it; the relay reports its stream's events."""
 
@@ -79,8 +79,10 @@ class Followed:
     since: float
     constraint: str | None  # the parameter of its output constraint; None: unconstrained
     abort: Callable[[], None]
-    gaps: deque[float]  # seconds a token, its last few
-    began: deque[float]  # when each of those gaps began
+    # Seconds a token, its last few, and when each began: made at its first judged gap (most
+    # requests never meet a constrained one, and two deques cost a quarter of following one).
+    gaps: deque[float] | None = None
+    began: deque[float] | None = None
     streamed: bool = True  # its events are seen (a non-streamed answer shows no progress)
     last_event: float | None = None
     tokens: int = 0
@@ -105,6 +107,9 @@ class Followed:
         if not watch.constrained:
             watch.norm.append(gap)
             return
+        if self.gaps is None or self.began is None:
+            window = watch.window
+            self.gaps, self.began = deque(maxlen=window), deque(maxlen=window)
         self.gaps.append(gap)
         self.began.append(last)
         watch.judge()
@@ -136,9 +141,7 @@ class CostWatch:
         `abort` cancels its exchange; a peer that comes while the engine is already slow gets
         the costly one aborted at once. A request that is no engine work (a pass-through:
         models, tokenize, a stored response) is not followed."""
-        window = self._limits.slow_tokens
-        followed = Followed(self, self.clock(), constraint, abort, deque(maxlen=window),
-                            deque(maxlen=window), streamed)
+        followed = Followed(self, self.clock(), constraint, abort, streamed=streamed)
         if not engine_work:
             followed.watched = False
             return followed
@@ -154,6 +157,11 @@ class CostWatch:
             self.forget(followed)
             raise
         return followed
+
+    @property
+    def window(self) -> int:
+        """The tokens a stream's slow gaps are judged over (constraints.slow_tokens)."""
+        return self._limits.slow_tokens
 
     def forget(self, followed: Followed) -> None:
         """The request left the engine (Followed's exit)."""
@@ -185,8 +193,9 @@ class CostWatch:
 
     def _restart_windows(self) -> None:
         for peer in self._at_engine:  # judged again only on steps taken from now on
-            peer.gaps.clear()
-            peer.began.clear()
+            if peer.gaps is not None and peer.began is not None:
+                peer.gaps.clear()
+                peer.began.clear()
 
     def norm_s(self) -> float:
         floor = self._limits.slow_norm_floor_s
@@ -199,8 +208,9 @@ class CostWatch:
         norm = self.norm_s()
         bound = norm * self._limits.slow_factor
         slow = next((f for f in self._at_engine
-                     if len(f.gaps) == f.gaps.maxlen and min(f.gaps) > bound), None)
-        if slow is None:
+                     if f.gaps is not None and len(f.gaps) == f.gaps.maxlen
+                     and min(f.gaps) > bound), None)
+        if slow is None or slow.gaps is None or slow.began is None:
             return
         # Only one that was at the engine when the slow steps began can have made them slow: a
         # constrained request that comes to an engine already slow is not the cause.
