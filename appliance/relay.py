@@ -144,7 +144,7 @@ class Relay:
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = outbound.shape
         # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
-        # in its converter's words (one search per chunk either way).
+        # in its converter's words (searched for in each read that does not end cleanly).
         self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
         # How a read of its stream ends when it cannot hold that error (a token event): such a
         # read is not searched (an empty end: every read is).
