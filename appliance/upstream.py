@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -311,16 +310,6 @@ class Upstream:
         return Reply(await self._send(self._request_bytes(method, path, body, headers)),
                      self._release)
 
-    @contextlib.asynccontextmanager
-    async def exchange(self, method: str, path: str, body: bytes | None,
-                       headers: dict[str, str]) -> AsyncIterator[Reply]:
-        """`open` for the block's length: the reply is closed on the way out."""
-        reply = await self.open(method, path, body, headers)
-        try:
-            yield reply
-        finally:
-            reply.close()
-
     async def call(self, method: str, path: str, payload: Any = None,
                    timeout_s: float = 30.0) -> tuple[int, Any]:
         """A small JSON exchange (tokenize, models): status and decoded body (None if not JSON)."""
@@ -337,8 +326,12 @@ class Upstream:
         `timeout_s` in all; ApiError if the worker did not answer."""
         headers = {"content-type": "application/json"} if body is not None else {}
         try:
-            async with asyncio.timeout(timeout_s), self.exchange(method, path, body, headers) as reply:
-                return reply.status, await reply.read()
+            async with asyncio.timeout(timeout_s):
+                reply = await self.open(method, path, body, headers)
+                try:
+                    return reply.status, await reply.read()
+                finally:
+                    reply.close()
         except TimeoutError as exc:
             raise self._unavailable(exc) from exc
 

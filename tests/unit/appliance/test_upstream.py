@@ -15,7 +15,7 @@ import pytest
 
 from appliance.errors import EngineUnavailable
 from appliance.settings import ServerSettings
-from appliance.upstream import Limits, Upstream
+from appliance.upstream import Limits, Reply, Upstream
 from tests.net import free_port
 
 pytestmark = pytest.mark.anyio
@@ -63,6 +63,16 @@ def address(transport: str) -> tuple[str, str | int]:
         return f"http+unix://{quote(path, safe='')}", path
     port = free_port()
     return f"http://127.0.0.1:{port}", port
+
+
+@contextlib.asynccontextmanager
+async def opened(upstream: Upstream) -> AsyncIterator[Reply]:
+    """A completion's reply for the block's length, closed on the way out."""
+    reply = await upstream.open("POST", "/v1/completions", b"{}", {})
+    try:
+        yield reply
+    finally:
+        reply.close()
 
 
 @contextlib.asynccontextmanager
@@ -125,7 +135,7 @@ async def test_a_worker_gone_mid_answer_is_engine_lost(transport: str) -> None:
         return partial
 
     async with serving(answer, transport=transport) as (_, upstream), \
-            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+            opened(upstream) as reply:
         assert reply.status == 200
         with pytest.raises(EngineUnavailable) as caught:
             async for _ in reply.chunks():
@@ -158,7 +168,7 @@ async def test_a_chunked_stream_is_read_in_order_to_its_end() -> None:
     stream = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
               b"transfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n")
     async with serving(lambda n, w: stream) as (server, upstream):
-        async with upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+        async with opened(upstream) as reply:
             assert b"".join([chunk async for chunk in reply.chunks()]) == b"data: 1\n\ndata: 2\n\n"
             assert (b"content-type", b"text/event-stream") in reply.headers
             assert not any(name == b"transfer-encoding" for name, _ in reply.headers)
@@ -184,7 +194,7 @@ def _drip(events: int, every_s: float) -> Callable[[int, asyncio.StreamWriter], 
 
 async def test_a_worker_silent_past_the_read_timeout_mid_answer_is_engine_lost() -> None:
     async with serving(lambda n, w: STREAM_HEAD, QUICK) as (_, upstream), \
-            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+            opened(upstream) as reply:
         started = asyncio.get_running_loop().time()
         with pytest.raises(EngineUnavailable) as caught:
             async for _ in reply.chunks():
@@ -196,7 +206,7 @@ async def test_a_worker_silent_past_the_read_timeout_mid_answer_is_engine_lost()
 async def test_the_read_timeout_counts_from_the_last_byte_not_the_request() -> None:
     """Ten events 0.2 s apart take 2 s in all, far past the 0.3 s timeout: none is late."""
     async with serving(_drip(10, 0.2), QUICK) as (_, upstream), \
-            upstream.exchange("POST", "/v1/completions", b"{}", {}) as reply:
+            opened(upstream) as reply:
         assert b"".join([chunk async for chunk in reply.chunks()]) == b"data: x\n\n" * 10
 
 
