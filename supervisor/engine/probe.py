@@ -16,6 +16,7 @@ appliance's CPU off its serving loop per second of work fell by a quarter on the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Coroutine
@@ -93,7 +94,27 @@ class HttpProber:
             return None
 
     async def _on_thread(self, work: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self._loop))
+        """`work` run as a task on the probe loop; its outcome comes back in one call on the
+        caller's loop, and a cancelled caller cancels it. A wake-up each way and nothing more:
+        `run_coroutine_threadsafe` with `wrap_future` chains a concurrent future between two
+        asyncio ones (about forty Python calls and five lock rounds a probe, a third of what
+        the probe thread ran for /health)."""
+        caller = asyncio.get_running_loop()
+        outcome: asyncio.Future[T] = caller.create_future()
+        started: list[asyncio.Task[T]] = []
+
+        def start() -> None:  # on the probe thread
+            task = self._loop.create_task(work)
+            started.append(task)
+            task.add_done_callback(lambda done: _hand_back(caller, outcome, done))
+
+        self._loop.call_soon_threadsafe(start)
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            # After `start` on the probe loop's queue, so the task exists when this runs.
+            self._loop.call_soon_threadsafe(lambda: started[0].cancel())
+            raise
 
     def _on_thread_now(self, work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
@@ -102,3 +123,21 @@ class HttpProber:
     async def _make_client(base_url: str, limits: Limits) -> Upstream:
         """Made on the probe loop, where its pool lives."""
         return Upstream(base_url, limits, retry_after_s=lambda: 1, quiet=True)
+
+
+def _hand_back(caller: asyncio.AbstractEventLoop, outcome: asyncio.Future[T],
+               done: asyncio.Task[T]) -> None:
+    """On the probe thread: `done`'s outcome to `outcome`, on the caller's loop."""
+    with contextlib.suppress(RuntimeError):  # the caller's loop closed first (shutdown)
+        caller.call_soon_threadsafe(_settle, outcome, done)
+
+
+def _settle(outcome: asyncio.Future[T], done: asyncio.Task[T]) -> None:
+    if outcome.done():  # the caller was cancelled meanwhile
+        return
+    if done.cancelled():
+        outcome.cancel()
+    elif (exc := done.exception()) is not None:
+        outcome.set_exception(exc)
+    else:
+        outcome.set_result(done.result())

@@ -234,3 +234,33 @@ async def test_the_probes_loop_is_uvloops(worker) -> None:  # type: ignore[no-un
         assert isinstance(prober._loop, uvloop.Loop)
     finally:
         await prober.aclose()
+
+
+async def test_a_caller_cancelled_mid_probe_cancels_the_exchange_on_the_probe_thread(worker) -> None:  # type: ignore[no-untyped-def]
+    """The hop back to the caller is one call; cancelling the caller still reaches across: the
+    probe loop's task ends, and its connection is not kept (its answer was never read)."""
+    _, url = worker
+    asked = threading.Event()
+    Worker.on_request, Worker.stall_s = asked.set, 0.5
+    prober = HttpProber(url, "m", timeout_s=5)
+    try:
+        probe = asyncio.create_task(prober.healthy())
+        assert await asyncio.to_thread(asked.wait, 30)
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe
+        ended = asyncio.run_coroutine_threadsafe(_outcomes_of_the_others(), prober._loop)
+        outcomes = await asyncio.wait_for(asyncio.wrap_future(ended), 10)
+        assert not [o for o in outcomes if isinstance(o, tuple)]  # none ran on to its answer
+        Worker.on_request, Worker.stall_s = None, 0.0
+        assert await prober.healthy()
+        assert Worker.connections == 2  # the cancelled exchange's connection was closed
+    finally:
+        Worker.on_request = None
+        await prober.aclose()
+
+
+async def _outcomes_of_the_others() -> list[object]:
+    """On the probe loop: how every other task still there ends (an exchange, with its answer)."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    return list(await asyncio.gather(*others, return_exceptions=True))
