@@ -10,7 +10,9 @@ What a probe costs the appliance is mostly waking that thread and running its lo
 serving one: per probe at the busy cadence against a uvicorn worker, 0.28 ms of the probe
 thread's CPU against 0.40 on asyncio's own loop. With /metrics read for its series alone, the
 appliance's CPU off its serving loop per second of work fell by a quarter on the real worker
-(0.77 to 0.57 ms; load.bench_cpu --baseline, run both ways round).
+(0.77 to 0.57 ms; load.bench_cpu --baseline, run both ways round). Each probe goes to the thread
+and back in one call each way (`_on_thread`): the process's CPU per /health probe, both loops
+uvloop's, fell from 0.37-0.41 ms to 0.19-0.20 ms (3000 probes against the synthetic worker).
 """
 
 from __future__ import annotations
