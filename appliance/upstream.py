@@ -58,10 +58,14 @@ class _Connection(asyncio.Protocol):
         self.idle_since = time.monotonic()
         self._deadline: asyncio.TimerHandle | None = None
         self._timeout = 0.0
+        # One parser for the connection's life: llhttp starts on the next answer where the last
+        # one ended, and a connection is reused only after a whole answer that keeps it alive.
+        # (A parser per exchange cost about 16k instructions: httptools looks up each callback
+        # it may call on this protocol, and the ones not defined each raise AttributeError.)
+        self._parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: collections.deque[bytes] = collections.deque()
