@@ -135,11 +135,14 @@ def _hand_back(caller: asyncio.AbstractEventLoop, outcome: asyncio.Future[T],
 
 
 def _settle(outcome: asyncio.Future[T], done: asyncio.Task[T]) -> None:
+    # The exception is read even when the caller was cancelled meanwhile: a task's exception
+    # nobody read is logged as an error when the task is collected.
+    exc = None if done.cancelled() else done.exception()
     if outcome.done():  # the caller was cancelled meanwhile
         return
     if done.cancelled():
         outcome.cancel()
-    elif (exc := done.exception()) is not None:
+    elif exc is not None:
         outcome.set_exception(exc)
     else:
         outcome.set_result(done.result())

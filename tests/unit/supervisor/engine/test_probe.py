@@ -5,6 +5,7 @@ the worker's /metrics read only for the series progress needs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.server
 import shutil
 import socketserver
@@ -19,7 +20,7 @@ import pytest
 import uvloop
 
 from appliance.fences.vllm import Metric
-from supervisor.engine.probe import HttpProber
+from supervisor.engine.probe import HttpProber, _settle
 from tests.net import free_port
 
 pytestmark = pytest.mark.anyio
@@ -264,3 +265,26 @@ async def _outcomes_of_the_others() -> list[object]:
     """On the probe loop: how every other task still there ends (an exchange, with its answer)."""
     others = asyncio.all_tasks() - {asyncio.current_task()}
     return list(await asyncio.gather(*others, return_exceptions=True))
+
+
+async def test_an_exchange_that_failed_after_its_caller_left_is_not_logged_as_unread() -> None:
+    """A probe's task can end with an error just as its caller is cancelled: the hand-back
+    still reads that error, else asyncio logs 'Task exception was never retrieved'."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        async def fails() -> None:
+            raise RuntimeError("the worker went away")
+
+        task = loop.create_task(fails())
+        await asyncio.wait([task])
+        outcome: asyncio.Future[None] = loop.create_future()
+        outcome.cancel()  # the caller left first
+        _settle(outcome, task)
+        del task
+        gc.collect()
+        assert reported == []
+    finally:
+        loop.set_exception_handler(previous)
