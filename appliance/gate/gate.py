@@ -25,13 +25,14 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import GenerationApi
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
-from appliance.fences.vllm import TokenIds
+from appliance.fences.vllm import DeathEvent, TokenIds
 from appliance.gate.budget import BudgetFitter
 from appliance.outbound import StreamAsked
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
+from appliance.policy.token_ids import check_token_ids, vocabulary_size
 from appliance.recovery.stream import Record
 from appliance.settings import Settings
 
@@ -75,6 +76,10 @@ class Vetted(StreamAsked):
         return self.api.clean_end
 
     @property
+    def death(self) -> DeathEvent | None:
+        return self.api.death
+
+    @property
     def client_name(self) -> str:
         return self.client.name
 
@@ -84,6 +89,9 @@ class Vetted(StreamAsked):
         if self.added:  # the client's object as sent, closed after the fields added to it
             return self.raw.rstrip()[:-1] + self.added + b"}"
         return self.raw
+
+    def diagnosis(self) -> dict[str, Any] | None:
+        return self.api.diagnosis(self.payload)
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
         """The engine works for it: it holds a slot, its usage metered there."""
@@ -103,7 +111,9 @@ class Gate:
         self._on_clamp = on_clamp
         self._policy = settings.policy
         self._budget = budget
-        self._multimodal = _is_multimodal(settings)
+        config = _model_config(settings)
+        self._multimodal = _is_multimodal(settings, config)
+        self._vocabulary = vocabulary_size(config)
         self._big_bodies = asyncio.Semaphore(1)
         self._engine_priority = settings.admission.engine_priority()
 
@@ -123,6 +133,7 @@ class Gate:
         api.validate(body)
         check_fields(body, api.fields)
         policy.check_n(body, limits.max_n)
+        check_token_ids(body, self._vocabulary)
         api.check_size(body, limits)
         media = api.media(body)
         if media is not None:
@@ -190,7 +201,16 @@ class Gate:
                  applied=clamp.applied, defaulted=clamp.defaulted)
 
 
-def _is_multimodal(settings: Settings) -> bool:
+def _model_config(settings: Settings) -> dict[str, Any]:
+    """The model directory's config.json; empty where it cannot be read."""
+    try:
+        config = json.loads((Path(settings.engine.model) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _is_multimodal(settings: Settings, config: dict[str, Any]) -> bool:
     """From settings, else from the model directory's config (a vision or audio tower).
 
     A model whose config cannot be read is treated as text-only: refusing is the safe side.
@@ -198,8 +218,4 @@ def _is_multimodal(settings: Settings) -> bool:
     setting = settings.policy.multimodal
     if setting != "auto":
         return setting == "on"
-    try:
-        config = json.loads((Path(settings.engine.model) / "config.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and any(key in config for key in _MULTIMODAL_KEYS)
+    return any(key in config for key in _MULTIMODAL_KEYS)

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from appliance.errors import BadRequest
+from appliance.policy.grammar import rules, unfinishable_root
 from appliance.settings import ConstraintSettings
 
 _QUANTIFIERS = "*+?{"
@@ -155,6 +156,10 @@ def check_grammar(grammar: Any, param: str, limits: ConstraintSettings) -> None:
     except RecursionError:  # rules referring down a chain longer than the stack
         raise _refused(param, "is a grammar whose rules refer to each other too deeply") from None
     _check_shape(shape, param, limits, "grammar")
+    root = unfinishable_root(grammar)
+    if root is not None:  # vLLM fails it only at its first token, as its own 500
+        raise _impossible(param, f"is a grammar that matches nothing: its rule '{root}' can "
+                          "never finish (every alternative refers back to a rule that cannot)")
 
 
 def _check_shape(shape: Shape, param: str, limits: ConstraintSettings, what: str) -> None:
@@ -181,8 +186,6 @@ class _Group:
         self.last: int | None = None  # the nesting of the last atom, before any quantifier
 
 
-# A grammar rule's head: GBNF/EBNF `name ::=`, Lark `name:` (with its `?`/`!` and `.priority`).
-_RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][\w-]*)(?:\.\d+)?[ \t]*(::=|:)", re.MULTILINE)
 _NAME = re.compile(r"[A-Za-z_][\w-]*")
 
 
@@ -194,10 +197,7 @@ def measure_grammar(grammar: str) -> Shape:
     """A grammar's rules measured as regexes over their atoms (quoted strings, classes, Lark
     /regex/ terminals, rule names), where a rule name weighs what its rule does: `root ::=
     word*` with `word ::= [a-z]+` nests as `([a-z]+)*`."""
-    heads = list(_RULE.finditer(grammar))
-    ends = [head.start() for head in heads[1:]] + [len(grammar)]
-    bodies = {head.group(1): grammar[head.end():end]
-              for head, end in zip(heads, ends[:len(heads)], strict=True)}
+    bodies = rules(grammar)
     nesting: dict[str, int] = {}
     shape = Shape()
 
@@ -313,6 +313,8 @@ def _skip_quoted(text: str, i: int) -> int:
 def check_choices(choices: Any, param: str, limits: ConstraintSettings) -> None:
     if not isinstance(choices, list):
         return
+    if not choices:  # vLLM refuses it only once a stream has begun
+        raise _impossible(param, "is an empty list of choices")
     if len(choices) > limits.max_choices:
         raise _refused(param, f"holds {len(choices)} choices; at most {limits.max_choices} are "
                        "accepted (constraints.max_choices)")
@@ -389,3 +391,8 @@ def _refused(param: str, why: str) -> BadRequest:
     return BadRequest(f"'{param}' {why}: an output constraint this costly slows the engine "
                       "for every request.", param=param, code="constraint_too_complex",
                       reason="constraint_too_complex")
+
+
+def _impossible(param: str, why: str) -> BadRequest:
+    return BadRequest(f"'{param}' {why}: no output can satisfy it.", param=param,
+                      code="constraint_matches_nothing", reason="constraint_matches_nothing")
