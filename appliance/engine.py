@@ -64,6 +64,8 @@ class Waiting:
 
     def __init__(self, cut_kept: int = 64) -> None:
         self._requests: dict[object, _Held] = {}
+        # Those whose exchange failed while the relay asks whether the worker died (checking).
+        self._checking: dict[object, _Held] = {}
         # Each request's name, fixed at its first send: its fingerprint, or until one is asked
         # for (a death, a quarantine with suspects) what it is hashed from.
         self._named: dict[object, str | _Unhashed] = {}
@@ -87,12 +89,29 @@ class Waiting:
 
     def discard(self, key: object) -> None:
         self._requests.pop(key, None)
+        self._checking.pop(key, None)
         self._named.pop(key, None)
 
     def set_aside(self, key: object) -> None:
         """No worker has the request for now (it waits for the next one, to be added again):
         not work a worker owes, nor in flight at a death; its fingerprint is kept."""
         self._requests.pop(key, None)
+        self._checking.pop(key, None)
+
+    def checking(self, key: object) -> None:
+        """The request's exchange failed and the relay asks whether the worker died. Until it
+        knows, the request is not work the engine owes: a client's words in a stream, or a
+        connection vLLM dropped, must never look like an engine that stopped working. It is
+        still in flight if the worker did die (described at the death)."""
+        held = self._requests.pop(key, None)
+        if held is not None:
+            self._checking[key] = held
+
+    def checked(self, key: object) -> None:
+        """The relay could not tell: the request waits on the worker again, as before."""
+        held = self._checking.pop(key, None)
+        if held is not None:
+            self._requests[key] = held
 
     def holding(self, key: object, request_id: str, pending: Pending) -> Holding:
         """The request waits on the worker until the returned Holding is left (a context
@@ -136,7 +155,8 @@ class Waiting:
         since the last death (`failed`: those are told once), with its id, fingerprint (as
         fixed at its first send, or of its body now if it was not sent yet), route, client and
         size; its body only if asked."""
-        held = [(h, self._named.get(key), False) for key, h in list(self._requests.items())]
+        held = [(h, self._named.get(key), False)
+                for key, h in [*self._requests.items(), *self._checking.items()]]
         held += [(h, named, True) for h, named, _ in self._cut]
         self._cut.clear()
         return [_described(h, named, failed, bodies) for h, named, failed in held]
@@ -224,6 +244,11 @@ class EngineView(Protocol):
 
     async def changed(self, timeout_s: float) -> None:
         """Returns at the engine's next change of state, or after `timeout_s`."""
+        ...
+
+    async def answers(self, serial: int) -> bool:
+        """Whether the worker numbered `serial` still serves and answers its health probe now
+        (vLLM's /health fails once its engine core is dead)."""
         ...
 
     def snapshot(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import WorkerRoute
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
+from appliance.fences.vllm import DeathEvent
 from appliance.recovery.stream import Record
 
 if TYPE_CHECKING:
@@ -71,7 +72,14 @@ class Outbound(Protocol):
     @property
     def clean_end(self) -> bytes | None: ...  # how a read of its stream with no death ends
 
+    @property
+    def death(self) -> DeathEvent | None: ...  # the event its stream ends with if the engine died
+
     def body(self) -> bytes | None: ...
+
+    def diagnosis(self) -> dict[str, Any] | None:
+        """The body that reads the worker's refusal its stream could not carry (GenerationApi)."""
+        ...
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
         """What it holds while the worker answers, and the meter its usage is counted on."""
@@ -108,13 +116,17 @@ class PassThrough(StreamAsked):
     prompt_tokens: None = None
     record: None = None  # nothing generated: a pass-through is sent again whole
     constraint: None = None
-    clean_end: None = None  # every read of a stream passed through is searched for a death
+    clean_end: None = None
+    death: None = None  # a stored response's stream (the one GET that streams) writes none
 
     @property
     def shape(self) -> ErrorShape:
         return self.route.shape
 
     def body(self) -> None:
+        return None
+
+    def diagnosis(self) -> None:
         return None
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:

@@ -20,19 +20,24 @@ from litestar.types import Message, Receive, Scope, Send
 
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
-from appliance.apis.anthropic.api import ANTHROPIC
 from appliance.apis.shape import ErrorShape, StreamSoFar, upstream_error
 from appliance.engine import EngineView
 from appliance.error_answer import error_answer, stream_error_end
 from appliance.errors import ApiError, engine_lost, engine_unavailable, internal_error
 from appliance.fences.uvicorn import ClientLink, client_link
-from appliance.fences.vllm import ANTHROPIC_ENGINE_DEAD, ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound, PassThrough
 from appliance.policy.cost_watch import CostWatch, Followed
 from appliance.recovery.quarantine import Quarantine
-from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
+from appliance.recovery.replay import (
+    Fate,
+    engine_back,
+    engine_died,
+    engine_fault,
+    request_failed,
+    worker_fate,
+)
 from appliance.recovery.stream import KEPT_BYTES, Continuation
 from appliance.settings import ResumeSettings
 from appliance.upstream import Reply, Upstream
@@ -42,8 +47,6 @@ PRIORITY_HEADER = "x-vllm-priority"  # vLLM's own; a client's is never forwarded
 log = structlog.get_logger("appliance.relay")
 
 _NO_CACHE = (b"cache-control", b"no-cache")
-_ENGINE_DEAD = ENGINE_DEAD_MESSAGE.encode()
-_CONVERTED_DEAD = ANTHROPIC_ENGINE_DEAD.encode()
 
 
 @dataclass(frozen=True)
@@ -143,9 +146,9 @@ class Relay:
         self._request_id = request_id
         self._forward = forward  # request headers passed on to the worker
         self._shape: ErrorShape = outbound.shape
-        # What the worker's stream says when its engine died: vLLM's Anthropic stream says it
-        # in its converter's words (searched for in each read that does not end cleanly).
-        self._dead = _CONVERTED_DEAD if self._shape.name == ANTHROPIC.name else _ENGINE_DEAD
+        # The event the worker's stream ends with when its engine died (read in each read that
+        # does not end cleanly); None where it writes none.
+        self._death = outbound.death
         # How a read of its stream ends when it cannot hold that error (a token event): such a
         # read is not searched (an empty end: every read is).
         self._clean = outbound.clean_end or b""
@@ -216,7 +219,7 @@ class Relay:
                         request = self._original = Continuation(outbound.target, outbound.body())
                     return await self._exchange(send, watch, meter, request, serial)
                 except ApiError as error:
-                    if self._started or not self._outlives(error):
+                    if self._started or not self._suspects(error):
                         raise
                     await self._recover(error, serial, "replayed")  # then the same again
 
@@ -297,15 +300,12 @@ class Relay:
         while True:
             try:
                 async for chunk in reply.chunks():
-                    # The worker's own error event: its engine died. (find, not `in`: for
-                    # bytes CPython's `in` first tries its operand as an int and builds the
-                    # TypeError it then drops, about 2,000 instructions; every event comes here.)
-                    if chunk.find(self._dead) >= 0:
-                        raise engine_died()
+                    if self._death is not None and self._death.told(chunk):
+                        raise engine_died()  # a hint: _recover asks the supervisor
                     yield self._record.take(chunk) if self._record is not None else chunk
                 return
             except ApiError as error:
-                if not self._outlives(error):
+                if not self._suspects(error):
                     raise
                 if self._record is not None and self._relayed_any and self._record.finished:
                     yield self._record.tail()
@@ -322,33 +322,55 @@ class Relay:
             reply = await self._send(request, meter)
             self._direct(reply, meter)
 
+    async def _diagnosed(self, serial: int) -> ApiError:
+        """Why a worker that still serves dropped the request: its own refusal where the route
+        can ask for it (Outbound.diagnosis), else a failure with no reason given."""
+        asked = self._outbound.diagnosis()
+        if asked is None or self._deps.engine.serial != serial:
+            return request_failed()
+        status, content = await self._ask_worker(self._outbound.target, asked)
+        return upstream_error(status, content) if 400 <= status < 500 else request_failed()
+
     async def _ask_worker(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
         """What a record asks of the worker now serving to prepare its continuation."""
         return await self._deps.upstream.fetch("POST", path, msgspec.json.encode(payload))
 
-    def _outlives(self, error: ApiError) -> bool:
-        """Whether the request may outlive this failure: an engine fault, with resume on."""
-        return self._deps.resume.enabled and self._watch.reason is None and engine_fault(error)
+    def _suspects(self, error: ApiError) -> bool:
+        """Whether this failure may be the engine's (the supervisor is asked: _confirm)."""
+        return self._watch.reason is None and engine_fault(error)
+
+    async def _confirm(self, error: ApiError, serial: int) -> None:
+        """Returns once the supervisor declared the worker lost. Raises the request's own
+        failure where the worker still serves, `error` where neither is known in time."""
+        engine = self._deps.engine
+        engine.waiting.checking(self)  # not work the engine owes while the supervisor is asked
+        resume = self._deps.resume
+        fate = await worker_fate(engine, serial, min(resume.confirm_s, resume.max_wait_s))
+        if fate is Fate.SERVING:
+            engine.waiting.discard(self)  # nor a victim of a later death
+            log.info("request.failed_on_serving_engine", error=error.code, worker=serial)
+            raise await self._diagnosed(serial)
+        if fate is Fate.UNKNOWN:
+            engine.waiting.checked(self)
+            raise error
 
     async def _recover(self, error: ApiError, serial: int, how: str) -> None:
         """Waits out the engine fault `error` told of, until a new worker serves. Raises `error`
         where the request cannot go on: the client has part of a stream that cannot be
         continued, or no new worker serves in time."""
-        deps, record = self._deps, self._record
-        if self._relayed_any and (record is None or not record.resumable):
-            raise error
-        engine = deps.engine
+        deps, record, engine = self._deps, self._record, self._deps.engine
         # Its name as the forensics gave it at the death (its body as sent, or as it stands if
         # it failed before it was: at its budget's count).
         fingerprint = engine.waiting.fingerprint(self, self._outbound.body())
-        log.info("request.engine_fault", error=error.code, worker=serial, how=how)
         deadline = time.monotonic() + deps.resume.max_wait_s
-        if not await loss_confirmed(engine, serial, min(deps.resume.confirm_s,
-                                                        deps.resume.max_wait_s)):
-            raise error
+        await self._confirm(error, serial)
         # In flight at the death (the supervisor has read it); no work of the next worker yet,
         # nor in flight at its death if it dies booting.
         engine.waiting.set_aside(self)
+        if not deps.resume.enabled or (self._relayed_any
+                                       and (record is None or not record.resumable)):
+            raise error
+        log.info("request.engine_fault", error=error.code, worker=serial, how=how)
         if not await engine_back(engine, serial, deadline - time.monotonic()):
             raise error
         # The death is counted by now: one that was its last allowed is refused, not sent.
@@ -433,7 +455,7 @@ class Relay:
 
     def _write_searched(self, chunk: bytes) -> bool:
         """_write_direct's read that may hold a death's error event, or that the record reads."""
-        if chunk.find(self._dead) >= 0:  # (find: see _from_worker)
+        if self._death is not None and self._death.told(chunk):
             return False
         record, link = self._record, self._link
         assert link is not None

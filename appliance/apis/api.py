@@ -18,6 +18,7 @@ import msgspec
 
 from appliance.apis.counting import Limits, PromptCounter
 from appliance.apis.shape import ErrorShape
+from appliance.fences.vllm import DeathEvent
 from appliance.policy import MediaPart
 from appliance.policy.fanout import check_conversation, check_message_count, check_prompts
 from appliance.recovery.stream import Record
@@ -43,6 +44,9 @@ class GenerationApi:
     # death only after its last one: a read ending so holds no such error, and the relay writes
     # it unsearched. None: every read is searched.
     clean_end: ClassVar[bytes | None] = None
+    # The event its stream ends with when the worker's engine core died (a hint the supervisor
+    # confirms); None: the worker writes none, its stream is cut.
+    death: ClassVar[DeathEvent | None] = None
 
     def screen(self, raw: bytes, limits: PolicySettings) -> None:
         """Bounds checked on the raw bytes, before parsing costs anything."""
@@ -83,6 +87,12 @@ class GenerationApi:
         """What lets its stream continue on a new worker after an engine fault, or None: the
         request is then sent again only while its client has received nothing of it. `media`:
         whether the body holds any, where the caller already looked (None: looked up)."""
+        return None
+
+    def diagnosis(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Where its stream cannot carry the worker's refusal (the worker cuts it instead), the
+        body to ask again, not streamed and for one token, to read the refusal; None where the
+        stream says it itself."""
         return None
 
     def plain_text(self, body: Mapping[str, Any], settings: Settings,

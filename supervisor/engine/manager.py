@@ -33,6 +33,8 @@ class Launcher(Protocol):
 
 
 class BootProber(Protocol):
+    async def healthy(self) -> bool: ...
+
     async def serving(self) -> bool: ...
 
     async def canary(self, timeout_s: float) -> bool: ...
@@ -96,6 +98,8 @@ class EngineManager:
         self._state = EngineState.STOPPED
         self._worker: Worker | None = None
         self._lost_callbacks: dict[int, Callable[[], None]] = {}
+        self._asking: asyncio.Future[bool] | None = None  # answers()' probe under way
+        self._lost = 0  # the serial of the last worker declared lost
         self._next_subscription = 0
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # set, and replaced, at each change of state
@@ -147,6 +151,21 @@ class EngineManager:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._changed.wait()
+
+    async def answers(self, serial: int) -> bool:
+        # One probe at a time, shared: a worker that cuts every stream at once is asked once.
+        if serial != self._serial or serial == self._lost or self._state is not EngineState.READY:
+            return False
+        if self._asking is None:
+            self._asking = asking = asyncio.ensure_future(self._prober.healthy())
+            asking.add_done_callback(self._asked)
+        healthy = await asyncio.shield(self._asking)
+        return healthy and serial == self._serial != self._lost \
+            and self._state is EngineState.READY
+
+    def _asked(self, asking: asyncio.Future[bool]) -> None:
+        if self._asking is asking:
+            self._asking = None
 
     def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
         key = self._next_subscription
@@ -405,6 +424,7 @@ class EngineManager:
                     await task
 
     def _fire_lost(self) -> None:
+        self._lost = self._serial  # it answers no more, whatever its /health says meanwhile
         if self._forensics is not None:  # the requests in flight, before their relays end them
             self._forensics.lost()
         callbacks, self._lost_callbacks = list(self._lost_callbacks.values()), {}

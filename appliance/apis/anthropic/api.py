@@ -12,6 +12,7 @@ from appliance.apis.api import ConversationApi, GenerationApi
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.shape import StreamSoFar, sse_event
 from appliance.errors import ApiError
+from appliance.fences.vllm import ANTHROPIC_DEATH
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults, tools_active
 from appliance.settings import Settings
@@ -87,6 +88,7 @@ class MessagesApi(ConversationApi):
     name, path, shape = "messages", "/v1/messages", ANTHROPIC
     fields = fields.MessagesFields
     budget_fields = ("max_tokens",)
+    death = ANTHROPIC_DEATH
 
     def validate(self, body: Mapping[str, Any]) -> None:
         surface.validate_messages(body)

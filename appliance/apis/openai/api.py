@@ -19,7 +19,7 @@ from appliance.apis.counting import (
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
 from appliance.apis.shape import StreamSoFar
 from appliance.errors import ApiError
-from appliance.fences.vllm import TOKEN_EVENT_END, TokenIds
+from appliance.fences.vllm import OPENAI_DEATH, TOKEN_EVENT_END, TokenIds
 from appliance.policy import fields
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
 from appliance.settings import Settings
@@ -52,6 +52,7 @@ class ChatApi(ConversationApi):
     budget_fields = CHAT_BUDGET
     usage_on_request = True
     clean_end = TOKEN_EVENT_END
+    death = OPENAI_DEATH
 
     def validate(self, body: Mapping[str, Any]) -> None:
         policy.validate_chat(body)
@@ -92,6 +93,7 @@ class CompletionApi(GenerationApi):
     budget_fields = COMPLETION_BUDGET
     usage_on_request = True
     clean_end = TOKEN_EVENT_END
+    death = OPENAI_DEATH
 
     def validate(self, body: Mapping[str, Any]) -> None:
         policy.validate_completion(body)

@@ -99,6 +99,15 @@ class ResponsesApi(GenerationApi):
         plain = self.plain_text(body, settings, plain_response, media)
         return ResponsesRecord(body) if plain else None
 
+    def diagnosis(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's Responses stream validates the sampling parameters (logit_bias against the
+        vocabulary, the output format's grammar) only after its first two events, and a refusal
+        there cuts the connection (vllm/entrypoints/openai/responses/serving.py); not streamed,
+        the same refusal is a 400 with its reason, before anything is generated."""
+        asked = {k: v for k, v in body.items() if k not in ("request_id", "previous_response_id")}
+        return asked | {"stream": False, "store": False, "background": False,
+                        self.budget_fields[0]: 1}
+
     async def count_prompt(self, body: dict[str, Any], budget: int, limits: Limits,
                            counter: PromptCounter) -> int | None:
         # The render refuses a budget above the window, as generating would: leave it out.

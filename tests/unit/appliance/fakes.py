@@ -32,6 +32,7 @@ class FakeEngine:
     waiting: Waiting = field(default_factory=Waiting)
     serial: int = 1  # the worker serving
     stop_requested: bool = False
+    healthy: bool = True  # what its health probe answers while it serves
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def retry_after_s(self) -> int:
@@ -49,16 +50,22 @@ class FakeEngine:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    async def answers(self, serial: int) -> bool:
+        """A worker that still serves answers its probe (set `healthy` False to say it does not)."""
+        return self.healthy and serial == self.serial and self.state is EngineState.READY
+
     def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
         key = id(callback)
         self._lost[key] = callback
         return lambda: self._lost.pop(key, None) and None
 
     def fire_lost(self) -> None:
-        """What the manager does when the worker is declared dead."""
+        """What the manager does when the worker is declared dead: its subscribers told, then
+        the state it stops in."""
         callbacks, self._lost = list(self._lost.values()), {}
         for callback in callbacks:
             callback()
+        self.set_state(EngineState.STOPPING)
 
     @property
     def watchers(self) -> int:

@@ -81,8 +81,9 @@ async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:
 
 
 async def test_unreachable_worker_is_503_not_500() -> None:
-    """A worker the supervisor still calls ready: after the wait for it to say otherwise."""
-    engine = FakeEngine(f"http://127.0.0.1:{free_port()}")
+    """A worker the supervisor still calls ready, whose health probe fails as the exchange did:
+    503 after the wait for the supervisor to say otherwise."""
+    engine = FakeEngine(f"http://127.0.0.1:{free_port()}", healthy=False)
     async with appliance(engine, resume={"confirm_s": 0.5}) as client:
         for body in (CHAT, CHAT | {"stream": True}):
             response = await client.post("/v1/completions", json={"prompt": "x"} | body)

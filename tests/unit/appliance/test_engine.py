@@ -108,3 +108,19 @@ def test_failed_requests_are_kept_up_to_cut_kept() -> None:
         hold(waiting, f"failed {n}".encode(), engine_lost(1))
     assert [e["fingerprint"] for e in waiting.describe()] == [
         fingerprint("/v1/chat/completions", "team-a", f"failed {n}".encode()) for n in (1, 2)]
+
+
+def test_a_request_being_checked_is_owed_by_no_engine_yet_in_flight_if_it_died() -> None:
+    """While the relay asks whether the worker died under a request, the request is not work
+    the engine owes (the progress watch reads len and unanswered), but a death described meanwhile
+    still names it; the relay's `checked` puts it back as it was."""
+    waiting = Waiting()
+    waiting.add("a", "rid-a", Pending(SECRET, stream=False))
+    waiting.checking("a")
+    assert len(waiting) == 0 and waiting.unanswered() == 0
+    assert [entry["request_id"] for entry in waiting.describe()] == ["rid-a"]
+    waiting.checked("a")
+    assert len(waiting) == 1 and waiting.unanswered() == 1
+    waiting.checking("a")
+    waiting.discard("a")  # the worker serves: the failure was its own
+    assert waiting.describe() == [] and len(waiting) == 0

@@ -71,6 +71,7 @@ class Worker:
         self.in_flight_during: list[int] = []
         self.opened: list[Reply] = []
         self.admission: Admission | None = None
+        self.asked = []
 
     async def open(self, method: str, path: str, body: bytes | None,
                    headers: dict[str, str]) -> Reply:
@@ -88,6 +89,15 @@ class Worker:
             raise self.fail
         assert self.reply is not None
         return self.reply
+
+    async def fetch(self, method: str, path: str, body: bytes | None = None,
+                    timeout_s: float = 30.0) -> tuple[int, bytes]:
+        """A small question to the worker (the relay's diagnosis): `asked` answers it."""
+        self.asked.append((path, json.loads(body or b"null")))
+        return self.asked_answer
+
+    asked: list[tuple[str, Any]]
+    asked_answer: tuple[int, bytes] = (200, b"{}")
 
 
 class Gate:
@@ -368,11 +378,18 @@ class Workers(Worker):
 
 
 def restart(engine: FakeEngine) -> None:
-    """The supervisor declares the worker lost, then a new one serves."""
+    """The worker dies (its health probe fails at once), the supervisor declares it lost, then
+    a new one serves."""
     loop = asyncio.get_running_loop()
+    engine.healthy = False
     loop.call_soon(engine.set_state, EngineState.STOPPING)
     loop.call_later(0.02, engine.set_state, EngineState.STARTING, engine.serial + 1)
-    loop.call_later(0.04, engine.set_state, EngineState.READY)
+    loop.call_later(0.04, serves_again, engine)
+
+
+def serves_again(engine: FakeEngine) -> None:
+    engine.healthy = True
+    engine.set_state(EngineState.READY)
 
 
 def resuming(*answers: Reply | Exception) -> Setup:
@@ -603,3 +620,100 @@ async def test_an_anthropic_streams_word_of_its_dead_engine_is_a_fault_never_rel
                             Reply(200, rest_of(10))), resume=True, engine=engine)
     await setup.run(vetted)
     assert setup.client.body == b"".join(STREAM)  # no error event, no seam
+
+
+# --- a fault is the supervisor's fact, never a guess from bytes ----------------------------
+
+DEATH = (b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above) '
+         b'for the root cause.", "type": "InternalServerError", "param": null, "code": 500}}\n\n')
+QUOTED = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+class Probed(FakeEngine):
+    """An engine that notes, at each question whether the worker still serves, what the ledger
+    counted as work the engine owes."""
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9")
+        self.owed_when_asked: list[tuple[int, int]] = []
+
+    async def answers(self, serial: int) -> bool:
+        self.owed_when_asked.append((len(self.waiting), self.waiting.unanswered()))
+        return await super().answers(serial)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+async def test_the_deaths_words_a_client_put_in_a_stream_are_relayed_as_they_came(
+        resume: bool) -> None:
+    """Echoed text (a prompt, instructions, a stop string) that quotes vLLM's death is a token
+    like any other: no fault, no question to the supervisor, nothing sent again."""
+    from appliance.apis.responses.api import RESPONSES_CREATE
+    token = json.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": QUOTED}, "finish_reason": None}]})
+    chat_chunks = [f"data: {token}\n\n".encode(), b"data: [DONE]\n\n"]
+    created = json.dumps({"type": "response.created", "sequence_number": 0,
+                          "response": {"id": "resp_1", "instructions": QUOTED}})
+    responses_chunks = [f"event: response.created\ndata: {created}\n\n".encode()]
+    quoted_error = json.dumps({"error": {"message": QUOTED, "code": 500}, "echo": "client"})
+    for outbound, chunks in ((chat(stream=True), chat_chunks),
+                             (chat(stream=True, api=RESPONSES_CREATE, input="x"), responses_chunks),
+                             (chat(stream=True), [f"data: {quoted_error}\n\n".encode()])):
+        engine = Probed()
+        setup = Setup(Worker(Reply(200, chunks)), resume=resume, engine=engine)
+        await setup.run(outbound)
+        assert setup.client.body == b"".join(chunks)
+        assert engine.owed_when_asked == [] and len(setup.worker.sent) == 1
+
+
+async def test_a_stream_a_serving_worker_cut_is_that_requests_failure_and_never_owed() -> None:
+    """A dropped connection from a worker that still answers its probe: the request fails at
+    once in the route's shape (not after resume.confirm_s), is never sent again, and while the
+    supervisor is asked it is not work the engine owes (no hang verdict can come of it)."""
+    engine = Probed()
+    setup = Setup(Worker(Broken([b'data: {"choices": []}\n\n'], good=1)), resume=True,
+                  engine=engine)
+    await setup.run(chat(stream=True))
+    assert b'"code":"request_failed"' in setup.client.body
+    assert setup.client.body.endswith(b"data: [DONE]\n\n")
+    assert engine.owed_when_asked == [(0, 0)] and len(setup.worker.sent) == 1
+    assert len(engine.waiting) == 0 and engine.waiting.describe() == []  # no victim of a death
+
+
+async def test_a_responses_stream_a_serving_worker_cut_ends_with_the_workers_refusal() -> None:
+    """vLLM cuts a Responses stream it refuses after its first events (a logit_bias outside
+    the vocabulary): the relay reads the refusal from the same body asked not streamed for one
+    token, and ends the stream with it as a 400's error event."""
+    from appliance.apis.responses.api import RESPONSES_CREATE
+    created = b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+    worker = Worker(Broken([created], good=1))
+    refusal = {"error": {"message": "token_id(s) [-1] in logit_bias contain out-of-vocab token "
+                         "ids.", "type": "BadRequestError", "param": "logit_bias", "code": 400}}
+    worker.asked_answer = (400, json.dumps(refusal).encode())
+    setup = Setup(worker, resume=True)
+    await setup.run(chat(stream=True, api=RESPONSES_CREATE, input="x", logit_bias={"-1": 1},
+                         max_output_tokens=50, request_id="resp_1"))
+    body = setup.client.body
+    assert body.startswith(created) and b"event: error" in body and b"response.failed" in body
+    error = json.loads(body.split(b"event: error\ndata: ")[1].split(b"\n\n")[0])
+    assert error["code"] == "invalid_request" and error["param"] == "logit_bias"
+    (path, asked), = worker.asked
+    assert path == "/v1/responses" and asked["stream"] is False
+    assert asked["max_output_tokens"] == 1 and asked["store"] is False
+    assert "request_id" not in asked and len(worker.sent) == 1
+
+
+async def test_vllms_death_event_is_a_hint_the_supervisor_confirms() -> None:
+    """The death's own event, where vLLM writes it: sent again once the worker is lost; the
+    same event from a worker that still serves is that request's failure."""
+    lost = resuming(Reply(200, [DEATH, b"data: [DONE]\n\n"]), Reply(200, [b'{"ok": 1}']))
+    lost.worker.answers[0]._on_chunk = lambda index: _restart_once(lost.engine, index)  # type: ignore[union-attr]
+    await lost.run(chat(stream=True))
+    assert lost.count("appliance_engine_faults_outlived_total", route=ROUTE, how="replayed") == 1
+    serving = Setup(Worker(Reply(200, [DEATH, b"data: [DONE]\n\n"])), resume=True)
+    await serving.run(chat(stream=True))
+    assert b'"code":"request_failed"' in serving.client.body and len(serving.worker.sent) == 1
+
+
+async def _restart_once(engine: FakeEngine, index: int) -> None:
+    if index == 0:
+        restart(engine)

@@ -258,3 +258,29 @@ def test_a_read_ending_with_a_token_event_holds_no_death_of_the_engine() -> None
         assert tokens, stream
         VLLM.require(all(e.endswith(vllm.TOKEN_EVENT_END) for e in tokens),
                      f"vLLM's token events (as recorded in {stream.name}) end as TOKEN_EVENT_END")
+
+
+def test_the_death_event_is_read_where_and_as_vllm_writes_it_and_nowhere_else() -> None:
+    """The relay's hint of a dead engine core (DeathEvent): vLLM's own events, as its chat stream
+    and its Anthropic converter build them in the engine venv, are told; the same words in a
+    token event, an echoed prompt, a quoted error or an event that is not the stream's last
+    are not (a client's text must never look like a death)."""
+    dead = b"data: " + str(engine_facts()["dead_event"]).encode() + b"\n\n"
+    VLLM.require(vllm.OPENAI_DEATH.told(dead) and vllm.OPENAI_DEATH.told(dead + b"data: [DONE]\n\n"),
+                 "the chat stream's error event for a dead engine reads as OPENAI_DEATH", dead)
+    converted = json.dumps({"type": "error", "error": {
+        "type": "internal_error", "message": engine_facts()["anthropic_dead"]}})
+    anthropic = f"event: error\ndata: {converted}\n\n".encode()
+    VLLM.require(vllm.ANTHROPIC_DEATH.told(anthropic),
+                 "the Anthropic converter's event for a dead engine reads as ANTHROPIC_DEATH",
+                 anthropic)
+    words = vllm.ENGINE_DEAD_MESSAGE + ". See stack trace (above) for the root cause."
+    token = json.dumps({"choices": [{"index": 0, "delta": {"content": words}}]})
+    echoed = json.dumps({"error": {"message": words, "code": 500}, "echo": True})
+    bad = json.dumps({"error": {"message": "bad: " + words, "code": 400}})
+    refused = json.dumps({"type": "error", "error": {"type": "internal_error", "message": (
+        "input_value={'error': {'message': 'En...am': None, 'code': 400}}")}})
+    for read in (f"data: {token}\n\n", f"data: {echoed}\n\n", f"data: {bad}\n\n",
+                 dead.decode() + f"data: {token}\n\n", f"event: x\ndata: {token}\n\n"):
+        assert not vllm.OPENAI_DEATH.told(read.encode()), read
+    assert not vllm.ANTHROPIC_DEATH.told(f"event: error\ndata: {refused}\n\n".encode())

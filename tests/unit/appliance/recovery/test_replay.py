@@ -8,7 +8,7 @@ import pytest
 
 from appliance.engine import EngineState
 from appliance.errors import EngineUnavailable, UpstreamError, engine_lost
-from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
+from appliance.recovery.replay import Fate, engine_back, engine_died, engine_fault, worker_fate
 from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
@@ -21,16 +21,34 @@ def test_an_engine_fault_is_a_broken_exchange_or_the_workers_word_that_its_core_
     assert not engine_fault(UpstreamError(400, "bad", param=None, code="invalid_request"))
 
 
+def test_the_deaths_words_inside_another_message_are_no_fault() -> None:
+    """Only a 500 that is vLLM's EngineDeadError: not one that quotes it (a client's text)."""
+    quoted = UpstreamError(500, "bad input: 'EngineCore encountered an issue'", param=None,
+                           code="engine_error")
+    refused = UpstreamError(400, engine_died().message, param=None, code="invalid_request")
+    assert not engine_fault(quoted) and not engine_fault(refused)
+
+
 async def test_a_loss_is_confirmed_when_the_worker_stops_serving() -> None:
-    engine = FakeEngine("http://127.0.0.1:9")
+    engine = FakeEngine("http://127.0.0.1:9", healthy=False)
     later = asyncio.get_running_loop().call_later(0.05, engine.set_state, EngineState.STOPPING)
-    assert await loss_confirmed(engine, 1, max_wait_s=5)
+    assert await worker_fate(engine, 1, max_wait_s=5) is Fate.LOST
     later.cancel()
 
 
-async def test_a_loss_never_declared_is_not_waited_out_past_the_bound() -> None:
+async def test_a_worker_that_answers_its_probe_serves_and_is_not_waited_on() -> None:
+    """A failed exchange on a worker that still answers /health is the request's own failure:
+    known at once, not after resume.confirm_s."""
     engine = FakeEngine("http://127.0.0.1:9")
-    assert not await loss_confirmed(engine, 1, max_wait_s=0.05)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await worker_fate(engine, 1, max_wait_s=5) is Fate.SERVING
+    assert loop.time() - started < 1
+
+
+async def test_a_loss_never_declared_is_not_waited_out_past_the_bound() -> None:
+    engine = FakeEngine("http://127.0.0.1:9", healthy=False)
+    assert await worker_fate(engine, 1, max_wait_s=0.05) is Fate.UNKNOWN
 
 
 async def test_the_engine_is_back_once_a_newer_worker_serves() -> None:

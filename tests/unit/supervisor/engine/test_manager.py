@@ -535,3 +535,22 @@ async def test_a_gpu_that_needs_a_reset_after_a_worker_ended_fails_naming_the_ac
         assert len(launcher.workers) == 1
         last = manager.snapshot()["last_exit"]
         assert last["reason"] == "gpu_fatal" and "reset the GPU" in last["detail"]
+
+
+async def test_a_worker_answers_while_it_serves_and_never_once_declared_lost() -> None:
+    """What the relay asks after a failed exchange (EngineView.answers): a worker that serves
+    and passes its probe answers; one that failed its probe, one declared lost (a hung engine's
+    /health still says 200 while its stacks are taken), or an older one does not."""
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_interval_s=30)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    serial = manager.serial
+    assert await manager.answers(serial) and not await manager.answers(serial - 1)
+    launcher.current.healthy = False
+    assert not await manager.answers(serial)
+    launcher.current.healthy = True
+    manager._fire_lost()  # declared lost (as a hang verdict does), its state not yet changed
+    assert manager.state is EngineState.READY and not await manager.answers(serial)
+    manager.request_stop()
+    await task
