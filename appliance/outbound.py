@@ -18,7 +18,7 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import WorkerRoute
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
-from appliance.fences.vllm import DeathEvent
+from appliance.fences.vllm import StreamEnding
 from appliance.recovery.stream import Record
 
 if TYPE_CHECKING:
@@ -73,7 +73,10 @@ class Outbound(Protocol):
     def clean_end(self) -> bytes | None: ...  # how a read of its stream with no death ends
 
     @property
-    def death(self) -> DeathEvent | None: ...  # the event its stream ends with if the engine died
+    def death(self) -> StreamEnding | None: ...  # the event its stream ends with if the engine died
+
+    @property
+    def refusal(self) -> StreamEnding | None: ...  # ... if the worker refused it, reason lost
 
     def body(self) -> bytes | None: ...
 
@@ -118,6 +121,7 @@ class PassThrough(StreamAsked):
     constraint: None = None
     clean_end: None = None
     death: None = None  # a stored response's stream (the one GET that streams) writes none
+    refusal: None = None
 
     @property
     def shape(self) -> ErrorShape:

@@ -149,6 +149,7 @@ class Relay:
         # The event the worker's stream ends with when its engine died (read in each read that
         # does not end cleanly); None where it writes none.
         self._death = outbound.death
+        self._refusal = outbound.refusal  # where the worker's refusal loses its reason
         # How a read of its stream ends when it cannot hold that error (a token event): such a
         # read is not searched (an empty end: every read is).
         self._clean = outbound.clean_end or b""
@@ -302,6 +303,8 @@ class Relay:
                 async for chunk in reply.chunks():
                     if self._death is not None and self._death.told(chunk):
                         raise engine_died()  # a hint: _recover asks the supervisor
+                    if self._refusal is not None and self._refusal.told(chunk):
+                        raise await self._diagnosed(serial)
                     yield self._record.take(chunk) if self._record is not None else chunk
                 return
             except ApiError as error:
@@ -455,7 +458,8 @@ class Relay:
 
     def _write_searched(self, chunk: bytes) -> bool:
         """_write_direct's read that may hold a death's error event, or that the record reads."""
-        if self._death is not None and self._death.told(chunk):
+        if (self._death is not None and self._death.told(chunk)) or (
+                self._refusal is not None and self._refusal.told(chunk)):
             return False
         record, link = self._record, self._link
         assert link is not None

@@ -18,7 +18,7 @@ import msgspec
 
 from appliance.apis.counting import Limits, PromptCounter
 from appliance.apis.shape import ErrorShape
-from appliance.fences.vllm import DeathEvent
+from appliance.fences.vllm import StreamEnding
 from appliance.policy import MediaPart
 from appliance.policy.fanout import check_conversation, check_message_count, check_prompts
 from appliance.recovery.stream import Record
@@ -46,7 +46,10 @@ class GenerationApi:
     clean_end: ClassVar[bytes | None] = None
     # The event its stream ends with when the worker's engine core died (a hint the supervisor
     # confirms); None: the worker writes none, its stream is cut.
-    death: ClassVar[DeathEvent | None] = None
+    death: ClassVar[StreamEnding | None] = None
+    # The event its stream ends with when the worker refused the request in words the stream
+    # lost (the worker's reason is then read with `diagnosis`); None: its refusals say it all.
+    refusal: ClassVar[StreamEnding | None] = None
 
     def screen(self, raw: bytes, limits: PolicySettings) -> None:
         """Bounds checked on the raw bytes, before parsing costs anything."""

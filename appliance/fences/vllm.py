@@ -14,6 +14,7 @@ in the engine venv where this package cannot be imported, loads this file by pat
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
@@ -158,19 +159,20 @@ ANTHROPIC_ENGINE_DEAD = "input_value={'error': {'message': 'En"
 _ANTHROPIC_DEAD_CODE = "'code': 500}}"
 
 
-class DeathEvent:
-    """vLLM's own stream event for a dead engine core, read only where and as vLLM writes it: a
-    whole event, the stream's last but `data: [DONE]`, whose JSON is vLLM's error object and
-    nothing else. Text a client put in the stream (echoed instructions or prompts, tool names,
-    stop strings) sits inside some other event's fields and is never one. Even so it is only a
-    hint: the supervisor confirms the death before anything acts on it."""
+class StreamEnding:
+    """An error event vLLM ends a stream with (its engine core died, it refused the request),
+    read only where and as vLLM writes it: a whole event, the stream's last but `data: [DONE]`,
+    whose JSON is vLLM's error object and nothing else. Text a client put in the stream (echoed
+    instructions or prompts, tool names, stop strings) sits inside some other event's fields
+    and is never one. Even a death's is only a hint: the supervisor confirms it before anything
+    acts on it."""
 
     def __init__(self, mark: str, told: Callable[[Any], bool]) -> None:
         self.mark = mark.encode()  # searched for first: most reads hold no such bytes at all
-        self._told = told  # whether an event's decoded JSON is the death's
+        self._told = told  # whether an event's decoded JSON is this one
 
     def told(self, read: bytes) -> bool:
-        """Whether this read of the stream ends with the death's event (then at most [DONE])."""
+        """Whether this read of the stream ends with this event (then at most [DONE])."""
         if read.find(self.mark) < 0:
             return False
         events = [event for event in read.split(b"\n\n") if event.strip()]
@@ -198,19 +200,34 @@ def _openai_death(event: Any) -> bool:
 
 
 def _anthropic_death(event: Any) -> bool:
-    error = event.get("error") if isinstance(event, dict) and event.get("type") == "error" \
-        else None
-    if not isinstance(error, dict) or error.get("type") != "internal_error":
-        return False
-    message = str(error.get("message", ""))
+    message = _converted(event)
     start = message.find(ANTHROPIC_ENGINE_DEAD)
     return start >= 0 and message.find(_ANTHROPIC_DEAD_CODE, start) > start
 
 
+def _anthropic_refusal(event: Any) -> bool:
+    return _ANTHROPIC_REFUSAL.search(_converted(event)) is not None
+
+
+def _converted(event: Any) -> str:
+    """The message of the Anthropic converter's `internal_error` event ("" for any other)."""
+    error = event.get("error") if isinstance(event, dict) and event.get("type") == "error" \
+        else None
+    if not isinstance(error, dict) or error.get("type") != "internal_error":
+        return ""
+    return str(error.get("message", ""))
+
+
 # Chat and completions streams end with this event when their engine core died.
-OPENAI_DEATH = DeathEvent(ENGINE_DEAD_MESSAGE, _openai_death)
+OPENAI_DEATH = StreamEnding(ENGINE_DEAD_MESSAGE, _openai_death)
 # Anthropic's Messages stream, in its converter's words.
-ANTHROPIC_DEATH = DeathEvent(ANTHROPIC_ENGINE_DEAD, _anthropic_death)
+ANTHROPIC_DEATH = StreamEnding(ANTHROPIC_ENGINE_DEAD, _anthropic_death)
+# The same converter's words for the chat stream's refusal of the request (a 4xx error event
+# it cannot read as a chunk either): vLLM's reason is lost in pydantic's excerpt of it.
+_ANTHROPIC_REFUSED_MARK = "input_value={'error': {'message': "
+_ANTHROPIC_REFUSAL = re.compile(re.escape(_ANTHROPIC_REFUSED_MARK) + r".*'code': 4\d\d\}\}",
+                                re.DOTALL)
+ANTHROPIC_REFUSAL = StreamEnding(_ANTHROPIC_REFUSED_MARK, _anthropic_refusal)
 # (Responses writes no event for it: its stream generator lets EngineDeadError through and the
 # connection is cut, vllm/entrypoints/openai/responses/serving.py.)
 

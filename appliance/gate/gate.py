@@ -25,7 +25,7 @@ from appliance.admission.usage import Meter
 from appliance.apis.api import GenerationApi
 from appliance.apis.shape import ErrorShape
 from appliance.errors import ApiError
-from appliance.fences.vllm import DeathEvent, TokenIds
+from appliance.fences.vllm import StreamEnding, TokenIds
 from appliance.gate.budget import BudgetFitter
 from appliance.outbound import StreamAsked
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
@@ -76,8 +76,12 @@ class Vetted(StreamAsked):
         return self.api.clean_end
 
     @property
-    def death(self) -> DeathEvent | None:
+    def death(self) -> StreamEnding | None:
         return self.api.death
+
+    @property
+    def refusal(self) -> StreamEnding | None:
+        return self.api.refusal
 
     @property
     def client_name(self) -> str:

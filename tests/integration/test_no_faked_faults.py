@@ -145,3 +145,21 @@ def test_a_responses_stream_vllm_cuts_for_its_own_refusal_ends_with_that_refusal
     assert kinds[-2:] == ["error", "response.failed"], kinds
     assert events[-2]["code"] == "invalid_request" and "Grammar error" in events[-2]["message"]
     assert restarts(appliance) == before
+
+
+def test_a_messages_stream_whose_refusal_vllm_garbles_ends_with_its_reason(
+        appliance: Appliance) -> None:
+    """vLLM's Anthropic stream turns its own 400 into an internal_error quoting an excerpt:
+    the client's stream ends with Anthropic's invalid_request_error carrying vLLM's reason."""
+    model = str(httpx.get(f"{appliance.url}/v1/models", timeout=30).json()["data"][0]["id"])
+    before = restarts(appliance)
+    schema = {"type": "string", "pattern": "(("}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 3, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    with httpx.stream("POST", f"{appliance.url}/v1/messages", json=body, timeout=120) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1]["type"] == "error", events
+    assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
+    assert "Grammar error" in events[-1]["error"]["message"]
+    assert restarts(appliance) == before

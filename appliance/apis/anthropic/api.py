@@ -12,7 +12,7 @@ from appliance.apis.api import ConversationApi, GenerationApi
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.shape import StreamSoFar, sse_event
 from appliance.errors import ApiError
-from appliance.fences.vllm import ANTHROPIC_DEATH
+from appliance.fences.vllm import ANTHROPIC_DEATH, ANTHROPIC_REFUSAL
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults, tools_active
 from appliance.settings import Settings
@@ -88,7 +88,13 @@ class MessagesApi(ConversationApi):
     name, path, shape = "messages", "/v1/messages", ANTHROPIC
     fields = fields.MessagesFields
     budget_fields = ("max_tokens",)
-    death = ANTHROPIC_DEATH
+    death, refusal = ANTHROPIC_DEATH, ANTHROPIC_REFUSAL
+
+    def diagnosis(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's Anthropic stream writes its chat stream's refusal (a 400 error event) as an
+        `internal_error` quoting an excerpt of it; not streamed, the refusal is a 400 with its
+        reason, before anything is generated."""
+        return dict(body) | {"stream": False, self.budget_fields[0]: 1}
 
     def validate(self, body: Mapping[str, Any]) -> None:
         surface.validate_messages(body)

@@ -717,3 +717,24 @@ async def test_vllms_death_event_is_a_hint_the_supervisor_confirms() -> None:
 async def _restart_once(engine: FakeEngine, index: int) -> None:
     if index == 0:
         restart(engine)
+
+
+async def test_a_messages_refusal_the_stream_lost_the_reason_of_ends_with_that_reason() -> None:
+    """vLLM's Anthropic stream writes its refusal as an internal_error quoting an excerpt: the
+    relay asks the same body not streamed and ends the stream with the 400's reason, in
+    Anthropic's error event."""
+    said = ("2 validation errors for ChatCompletionStreamResponse\\nmodel\\n  Field required "
+            "[type=missing, input_value={'error': {'message': 'Gr...am': None, 'code': 400}}, "
+            "input_type=dict]")
+    converted = json.dumps({"type": "error", "error": {"type": "internal_error", "message": said}})
+    worker = Worker(Reply(200, [f"event: error\ndata: {converted}\n\n".encode()]))
+    refusal = {"type": "error", "error": {"type": "invalid_request_error",
+                                          "message": "Grammar error: unclosed group"}}
+    worker.asked_answer = (400, json.dumps(refusal).encode())
+    setup = Setup(worker, resume=True)
+    await setup.run(chat(stream=True, api=MESSAGES, max_tokens=50))
+    error = json.loads(setup.client.body.split(b"data: ")[-1])
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"] == "Grammar error: unclosed group"
+    (path, asked), = worker.asked
+    assert path == "/v1/messages" and asked["stream"] is False and asked["max_tokens"] == 1

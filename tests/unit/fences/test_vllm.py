@@ -66,6 +66,15 @@ try:
     facts["anthropic_dead"] = None
 except Exception as e:
     facts["anthropic_dead"] = sanitize_message(str(e))
+# And of the chat stream's refusal of a request (a 400 error event, as the serving's error
+# response builds it).
+refused = json.dumps({"error": {"message": "Grammar error: regex parse error: unclosed group",
+                                "type": "BadRequestError", "param": None, "code": 400}})
+try:
+    ChatCompletionStreamResponse.model_validate_json(refused)
+    facts["anthropic_refused"] = None
+except Exception as e:
+    facts["anthropic_refused"] = sanitize_message(str(e))
 print(json.dumps(facts))
 """
 
@@ -261,7 +270,7 @@ def test_a_read_ending_with_a_token_event_holds_no_death_of_the_engine() -> None
 
 
 def test_the_death_event_is_read_where_and_as_vllm_writes_it_and_nowhere_else() -> None:
-    """The relay's hint of a dead engine core (DeathEvent): vLLM's own events, as its chat stream
+    """The relay's hint of a dead engine core (StreamEnding): vLLM's own events, as its chat stream
     and its Anthropic converter build them in the engine venv, are told; the same words in a
     token event, an echoed prompt, a quoted error or an event that is not the stream's last
     are not (a client's text must never look like a death)."""
@@ -284,3 +293,21 @@ def test_the_death_event_is_read_where_and_as_vllm_writes_it_and_nowhere_else() 
                  dead.decode() + f"data: {token}\n\n", f"event: x\ndata: {token}\n\n"):
         assert not vllm.OPENAI_DEATH.told(read.encode()), read
     assert not vllm.ANTHROPIC_DEATH.told(f"event: error\ndata: {refused}\n\n".encode())
+
+
+def test_an_anthropic_stream_tells_of_a_refusal_in_words_the_relay_reads_as_one() -> None:
+    """The converter turns the chat stream's 400 into an internal_error whose excerpt keeps the
+    code: the relay reads it as vLLM's refusal (ANTHROPIC_REFUSAL) and asks for the reason; a
+    death's excerpt, or a client's text quoting the excerpt in a token event, is not one."""
+    said = engine_facts()["anthropic_refused"]
+
+    def event(message: str, kind: str = "internal_error") -> bytes:
+        data = json.dumps({"type": "error", "error": {"type": kind, "message": message}})
+        return f"event: error\ndata: {data}\n\n".encode()
+
+    VLLM.require(said is not None and vllm.ANTHROPIC_REFUSAL.told(event(said)),
+                 "the converter's message for a refusal reads as ANTHROPIC_REFUSAL", said)
+    assert not vllm.ANTHROPIC_REFUSAL.told(event(str(engine_facts()["anthropic_dead"])))
+    assert not vllm.ANTHROPIC_REFUSAL.told(event(said, kind="invalid_request_error"))
+    delta = json.dumps({"type": "content_block_delta", "delta": {"type": "text_delta", "text": said}})
+    assert not vllm.ANTHROPIC_REFUSAL.told(f"event: content_block_delta\ndata: {delta}\n\n".encode())
