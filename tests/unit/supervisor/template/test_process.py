@@ -135,6 +135,20 @@ async def test_a_template_that_cannot_import_its_preloads_means_spawn_and_why(
     assert await worker.wait() == 0
 
 
+async def test_a_template_whose_preloads_initialised_cuda_means_spawn_and_why(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """A child forked after CUDA's initialisation cannot use the GPU: the template says so."""
+    launcher = launchers(engine("--exit", "0", PYTHONPATH=REPO),
+                         preloads=["tests.support.cuda_initialised_torch"])
+    with capture_logs() as logs:
+        worker = await launcher.start()
+    assert isinstance(worker, WorkerProcess)
+    fallback = [e for e in logs if e["event"] == "worker.spawn_fallback"]
+    assert fallback and "the preloads initialised CUDA (torch.cuda.is_initialized() is true)" \
+        in fallback[0]["reason"]
+    assert await worker.wait() == 0
+
+
 async def test_repeated_template_failures_give_the_template_up(
         launchers: Callable[..., TemplateLauncher]) -> None:
     launcher = launchers(engine("--exit", "0"), preloads=["no_such_module_for_the_template"])
