@@ -114,7 +114,7 @@ async def check_template(python: str, mib: int, timeout_s: float) -> dict[str, d
     env = {**os.environ, "PYTHONPATH": str(HERE)}  # smoke_preload, imported by name
     try:
         template = await TemplateProcess.launch(Path(python), (["torch", "smoke_preload"], []),
-                                                False, env, timeout_s)
+                                                False, env, timeout_s, timeout_s)
     except TemplateError as exc:
         failed = {"ok": False, "error": str(exc)}
         return {"template": failed, "worker": {"ok": False, "error": "no template"}}

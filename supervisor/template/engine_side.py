@@ -71,6 +71,7 @@ def load_by_path(name: str, *relative: str) -> ModuleType:
 # vLLM's module paths and names, which engine_fork reads under this name (appliance/fences/vllm.py)
 load_by_path("vllm_contract", os.pardir, os.pardir, "appliance", "fences", "vllm.py")
 cuda_state = load_by_path("cuda_state", "cuda_state.py")  # engine_fork reads it under this name
+fork_probe = load_by_path("fork_probe", "fork_probe.py")
 engine_fork = load_by_path("engine_fork", "engine_fork.py")
 
 MAX_MESSAGE_BYTES = 1 << 20
@@ -95,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="module to import once if it can be (vLLM versions differ)")
     parser.add_argument("--engine-core-fork", action="store_true",
                         help="fork vLLM's EngineCore where that is safe")
+    parser.add_argument("--trial-fork-timeout-s", type=float, default=10.0,
+                        help="how long the trial child forked at boot may take")
     return parser.parse_args(argv)
 
 
@@ -116,12 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     if cuda.initialised:
         send(control, {"event": "failed", "error": f"the preloads initialised CUDA ({cuda.reason})"})
         return 1
+    threads = len(engine_fork.thread_names())  # before the trial: OpenBLAS joins its pool at a fork
+    unsafe = fork_probe.trial_fork(args.trial_fork_timeout_s)
+    if unsafe is not None:
+        send(control, {"event": "failed", "error": unsafe})
+        return 1
     import_env = changed_environment(before, dict(os.environ))
     # What the preloads built lives as long as any worker: keep the collector off it, so a
     # worker's gc.collect() neither walks it (seconds, for vLLM) nor copies its pages on write.
     gc.collect()
     gc.freeze()
-    facts = ready_facts(args.preload, skipped, time.monotonic() - began)
+    facts = ready_facts(args.preload, skipped, time.monotonic() - began) | {"threads": threads}
     send(control, facts | {"nvml_files": open_files("/dev/nvidia"), "cuda": cuda.reason,
                            "import_env": sorted(import_env)})
     start = serve(control)
@@ -171,7 +179,7 @@ def ready_facts(preloaded: list[str], skipped: list[str], import_s: float) -> di
         "site_packages": [p for p in sys.path if p.endswith("site-packages")],
         "preloaded": preloaded, "skipped": skipped, "modules": len(sys.modules),
         "import_s": round(import_s, 2),
-        "threads": len(engine_fork.thread_names()), "cuda_initialized": False,
+        "cuda_initialized": False,
         "vllm_version": getattr(vllm, "__version__", None),
     }
 
@@ -209,7 +217,7 @@ def serve(control: socket.socket) -> Start | None:
                     close_all(fds)
                     send(control, {"event": "refused", "error": start})
                     continue
-                pid = os.fork()
+                pid = fork_probe.fork()  # its threads were proven at boot (trial_fork)
                 if pid == 0:
                     close_all([control.detach(), *children])
                     return start

@@ -129,7 +129,7 @@ async def test_a_start_the_template_refuses_is_a_failed_check_not_a_traceback() 
     """A template that refuses the worker (here: argv[0] is not its interpreter) fails the
     worker check with the template's reason."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    template = await TemplateProcess.launch(Path(sys.executable), (["json"], []), False, env, 60)
+    template = await TemplateProcess.launch(Path(sys.executable), (["json"], []), False, env, 60, 10)
     try:
         report = await smoke_checks._forked_worker(template, "python3", 16, 10)
     finally:
