@@ -141,7 +141,8 @@ class EngineSettings(_Group):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     gpu_memory_max_share: float = Field(0.9, gt=0, le=1)  # the sized reservation's ceiling
     gpu_memory_overhead_bytes: int = Field(2 * 1024**3, ge=0)  # CUDA context, activations, graphs
-    # Sequences of a full window the sized KV cache holds; None: max_num_seqs, else policy.max_inflight.
+    # Full windows the sized KV cache aims to hold; None: max_num_seqs, else policy.max_inflight,
+    # as far as gpu_memory_max_share allows (vLLM needs one). A value set is a requirement.
     kv_budget_sequences: int | None = Field(None, ge=1)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)  # None: 512 MiB on the CPU
     max_num_seqs: int | None = Field(None, ge=1)

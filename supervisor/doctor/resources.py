@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from appliance.settings import Settings
+from appliance.settings import EngineSettings, Settings
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import engine_is_gpu
 from supervisor.doctor.report import Finding, blocker, ok, skip, warning
-from supervisor.engine.gpu_budget import GIB, ModelShapeError, plan, read_model_shape
+from supervisor.engine.gpu_budget import (
+    CONTEXT_HEADROOM_BYTES,
+    GIB,
+    ModelShapeError,
+    Reservation,
+    plan,
+    read_model_shape,
+)
 
 GPU_MEMORY = "gpu-memory"
 DISK = "disk"
 PORTS = "ports"
 MIB = 1024**2
+MIN_WINDOW = 16  # the least engine.max_model_len takes
+HOLDERS = "nvidia-smi shows who holds it"
 
 
 def _gib(value: int) -> str:
@@ -38,19 +48,64 @@ def check_gpu_memory(box: Box, settings: Settings) -> Finding:
     chosen = plan(settings, shape, memory)
     shown = (f"reserve {_gib(chosen.reserved_bytes)} ({chosen.utilization:g} of "
              f"{_gib(memory.total_bytes)}, {_gib(memory.free_bytes)} free; limited by "
-             f"{chosen.limited_by}): weights {_gib(chosen.weights_bytes)} + KV "
-             f"{_gib(chosen.kv_budget_bytes)} for {chosen.sequences} x {chosen.window} tokens")
+             f"{chosen.limited_by}): weights {_gib(chosen.weights_bytes)}, KV for "
+             f"{chosen.concurrency:.2f} windows of {chosen.window} tokens at once "
+             f"({chosen.sequences} aimed at)")
     detail = chosen.as_dict()
     if chosen.reserved_bytes > memory.free_bytes or not chosen.boots:
         return blocker(GPU_MEMORY, f"{shown}: not enough for one full window "
-                       f"({_gib(chosen.minimum_bytes)})",
-                       "free GPU memory (nvidia-smi shows who holds it) or lower "
-                       "engine.max_model_len", lasting=False, **detail)
-    if not chosen.fits:
-        return warning(GPU_MEMORY, f"{shown}: KV cache smaller than the budget, fewer "
-                       "sequences at once", "free GPU memory, or lower engine.kv_budget_sequences"
-                       " / engine.max_model_len", **detail)
-    return ok(GPU_MEMORY, shown, **detail)
+                       f"({_gib(chosen.minimum_bytes)})", _blocker_fix(chosen, engine),
+                       lasting=_lasting(chosen), **detail)
+    if chosen.fits or not (chosen.budget_required or chosen.limited_by == "free memory"):
+        return ok(GPU_MEMORY, shown, **detail)  # vLLM's one window fits; the rest is concurrency
+    if chosen.limited_by == "free memory":
+        return warning(GPU_MEMORY, f"{shown}: other processes hold "
+                       f"{_gib(memory.total_bytes - memory.free_bytes)}, so fewer sequences fit "
+                       "at once", f"free GPU memory ({HOLDERS})", **detail)
+    return warning(GPU_MEMORY, f"{shown}: fewer than engine.kv_budget_sequences",
+                   f"lower engine.kv_budget_sequences to {math.floor(chosen.concurrency)} "
+                   "or engine.max_model_len, or leave kv_budget_sequences unset", **detail)
+
+
+def _lasting(chosen: Reservation) -> bool:
+    """A restart cannot cure it unless memory another process holds is the limit."""
+    return chosen.reserved_bytes <= chosen.free_bytes and chosen.limited_by != "free memory"
+
+
+def _blocker_fix(chosen: Reservation, engine: EngineSettings) -> str:
+    """What would make one full window fit, each with its number."""
+    if chosen.reserved_bytes > chosen.free_bytes:
+        return f"free GPU memory ({HOLDERS}) or lower engine.gpu_memory_utilization"
+    fixes = [f"free GPU memory ({HOLDERS})"] if chosen.limited_by == "free memory" else []
+    window = chosen.window_within(chosen.reserved_bytes)
+    if window >= MIN_WINDOW:
+        fixes.append(f"lower engine.max_model_len to {window} or less")
+    else:
+        fixes.append(f"a quantized checkpoint: the weights and overhead alone "
+                     f"({_gib(chosen.weights_bytes + chosen.overhead_bytes)}) exceed the "
+                     f"{_gib(chosen.reserved_bytes)} reserved (FP8 halves bf16 weights, 4-bit "
+                     "AWQ or GPTQ quarter them)")
+    share = chosen.utilization if chosen.limited_by == "operator" else engine.gpu_memory_max_share
+    fixes.append(f"a GPU with {_gib(math.ceil(chosen.minimum_bytes / share))} or more")
+    return "; or ".join(fixes + _share_fix(chosen))
+
+
+def _share_fix(chosen: Reservation) -> list[str]:
+    """Where the share, not the card, is the limit: the share that would do, if the memory
+    free now (less the worker's CUDA context) allows it."""
+    names = {"max share": "engine.gpu_memory_max_share", "operator": "engine.gpu_memory_utilization"}
+    if chosen.limited_by not in names:
+        return []
+    room = chosen.free_bytes - CONTEXT_HEADROOM_BYTES
+    wanted = math.ceil(chosen.minimum_bytes / chosen.total_bytes * 100) / 100
+    if wanted * chosen.total_bytes <= room:
+        return [f"raise {names[chosen.limited_by]} to {wanted:g}"]
+    most = math.floor(room / chosen.total_bytes * 100) / 100
+    window = chosen.window_within(math.floor(most * chosen.total_bytes))
+    if most <= chosen.utilization or window < MIN_WINDOW:
+        return []
+    return [f"raise {names[chosen.limited_by]} to {most:g} with engine.max_model_len "
+            f"{window} or less"]
 
 
 def check_disk(box: Box, settings: Settings) -> Finding:

@@ -8,6 +8,13 @@ here is what the model needs (weights from its safetensors files, a KV cache for
 `kv_budget_sequences` full context windows, a fixed overhead), cut to the memory free now and
 to `gpu_memory_max_share`. An operator's own `gpu_memory_utilization` is passed as it is.
 
+What vLLM 0.32 requires of the KV cache is room for one request of max_model_len tokens
+(vllm/v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`); how many run at once is what
+the cache holds beyond that ("Maximum concurrency for N tokens per request"). So the budget's
+sequences are an aim, met where the card allows: a cut by the share is the configuration
+working, a cut by memory another process holds, or below an explicit `kv_budget_sequences`,
+is worth a warning (supervisor/doctor/resources.py).
+
 Only `--gpu-memory-utilization` is passed, not `--kv-cache-memory-bytes`: vLLM compares
 utilization x total with the free memory whether or not a KV size is given (so the share must
 be sized anyway), and within that share the KV cache takes what the weights, activations and
@@ -76,6 +83,9 @@ class Reservation:
     total_bytes: int
     free_bytes: int
     limited_by: str  # "model", "free memory", "max share" or "operator"
+    overhead_bytes: int  # engine.gpu_memory_overhead_bytes
+    kv_bytes_per_token: int
+    budget_required: bool  # the operator set kv_budget_sequences: the budget is a requirement
 
     @property
     def fits(self) -> bool:
@@ -87,8 +97,20 @@ class Reservation:
         """At least one full window fits: vLLM starts (with fewer sequences at once)."""
         return self.reserved_bytes >= self.minimum_bytes
 
+    @property
+    def concurrency(self) -> float:
+        """Full windows the reserved KV cache holds, as vLLM reports its maximum concurrency."""
+        return max(self.reserved_bytes - self.weights_bytes - self.overhead_bytes, 0) / (
+            self.window * self.kv_bytes_per_token)
+
+    def window_within(self, reserved_bytes: int) -> int:
+        """The longest window one request could have within reserved_bytes (0: none)."""
+        left = reserved_bytes - self.weights_bytes - self.overhead_bytes
+        return max(left // self.kv_bytes_per_token, 0)
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"fits": self.fits, "boots": self.boots}
+        return asdict(self) | {"fits": self.fits, "boots": self.boots,
+                               "concurrency": round(self.concurrency, 2)}
 
 
 def read_model_shape(model_dir: Path, dtype: str | None) -> ModelShape:
@@ -155,6 +177,9 @@ def plan(settings: Settings, shape: ModelShape, memory: GpuMemory) -> Reservatio
         needed_bytes=needed, minimum_bytes=minimum, weights_bytes=shape.weights_bytes,
         kv_budget_bytes=kv_budget, window=window, sequences=sequences,
         total_bytes=memory.total_bytes, free_bytes=memory.free_bytes, limited_by=limited_by,
+        overhead_bytes=engine.gpu_memory_overhead_bytes,
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+        budget_required=engine.kv_budget_sequences is not None,
     )
 
 

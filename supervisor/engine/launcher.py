@@ -124,7 +124,8 @@ class TemplateLauncher:
         env = build_env(self._engine)
         self._booting = asyncio.create_task(TemplateProcess.launch(
             Path(self._engine.python), self._preloads, self._engine_core_fork, env,
-            self._engine.template_boot_timeout_s, self._script))
+            self._engine.template_boot_timeout_s, self._engine.template_fork_timeout_s,
+            self._script))
         self._booting.add_done_callback(self._booted)
 
     def _booted(self, task: asyncio.Task[TemplateProcess]) -> None:

@@ -12,7 +12,8 @@ dependencies either: supervisor/gpu/bare_box.py):
   worker       a worker forked from that template: it forks a child that initialises CUDA and
                allocates memory (as EngineCore is forked), then initialises CUDA itself
 Exit status: 0 every check passed, 1 one failed, 3 no GPU here (NVML finds none).
-The torch side runs in `--python` (default: this interpreter), by path: supervisor/gpu/smoke_torch.py.
+The torch side runs in `--python` (default: this interpreter; a bare name is looked up on PATH),
+by path: supervisor/gpu/smoke_torch.py. Whatever fails, the JSON report is the output.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -36,6 +37,17 @@ class Watched:
 
     device: str
     enabled: bool = True
+
+
+def resolve_python(name: str) -> dict[str, Any]:
+    """The interpreter as the template will know it: an operator types `python3`, a name on
+    PATH, and the template accepts only its own sys.executable, which Python makes absolute by
+    the same PATH search. Not realpath: a venv's python3 is a link to the base interpreter,
+    which run by its real path would not see the venv's torch."""
+    found = shutil.which(name)
+    if found is None:
+        return {"ok": False, "given": name, "error": f"no executable {name!r} (PATH or path)"}
+    return {"ok": True, "given": name, "path": os.path.abspath(found)}
 
 
 def check_nvml(device: str, nvml: Any = None) -> tuple[dict[str, Any], GpuMonitor | None]:
@@ -74,8 +86,11 @@ async def check_release(monitor: GpuMonitor, python: str, mib: int, timeout_s: f
     """A real tree that holds memory, killed; the appliance's own wait, timed."""
     wait = ReleaseWait(monitor, slack_mib)
     await wait.note_idle(timeout_s)
-    tree = await asyncio.create_subprocess_exec(python, str(TORCH_SIDE), "hold", str(mib),
-                                                stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        tree = await asyncio.create_subprocess_exec(python, str(TORCH_SIDE), "hold", str(mib),
+                                                    stdout=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        return {"ok": False, "error": f"cannot run {python}: {exc}"}
     assert tree.stdout is not None
     try:
         line = await asyncio.wait_for(tree.stdout.readline(), timeout_s)
@@ -99,12 +114,13 @@ async def check_template(python: str, mib: int, timeout_s: float) -> dict[str, d
     env = {**os.environ, "PYTHONPATH": str(HERE)}  # smoke_preload, imported by name
     try:
         template = await TemplateProcess.launch(Path(python), (["torch", "smoke_preload"], []),
-                                                False, env, timeout_s)
+                                                False, env, timeout_s, timeout_s)
     except TemplateError as exc:
         failed = {"ok": False, "error": str(exc)}
         return {"template": failed, "worker": {"ok": False, "error": "no template"}}
     facts = template.facts
-    report = {"template": {"ok": not facts.get("cuda_initialized"), "nvml_files": facts.get("nvml_files"),
+    report = {"template": {"ok": not facts.get("cuda_initialized"), "cuda": facts.get("cuda"),
+                           "nvml_files": facts.get("nvml_files"), "threads": facts.get("threads"),
                            "import_s": facts.get("import_s")}}
     try:
         report["worker"] = await _forked_worker(template, python, mib, timeout_s)
@@ -118,7 +134,10 @@ async def _forked_worker(template: TemplateProcess, python: str, mib: int,
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "worker.json"
         argv = [python, str(TORCH_SIDE), "worker", str(result), str(mib)]
-        worker = await template.fork(argv, os.getcwd(), timeout_s)
+        try:
+            worker = await template.fork(argv, os.getcwd(), timeout_s)
+        except TemplateError as exc:
+            return {"ok": False, "error": str(exc)}
         try:
             returncode: int | None = await asyncio.wait_for(worker.wait(), timeout_s)
         except TimeoutError:
@@ -143,16 +162,20 @@ def _reading(reading: GpuReading) -> dict[str, Any]:
     return {key: value for key, value in asdict(reading).items() if key != "verdict"}
 
 
-async def run(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    nvml, monitor = await asyncio.to_thread(check_nvml, args.device)
+async def run(args: argparse.Namespace, nvml_module: Any = None) -> tuple[int, dict[str, Any]]:
+    """Every check, in order; nvml_module: the seam for a fake NVML (default: pynvml)."""
+    python = resolve_python(args.python)
+    nvml, monitor = await asyncio.to_thread(check_nvml, args.device, nvml_module)
     if monitor is None:
-        return EXIT_NO_GPU, {"result": "no GPU: NVML finds no NVIDIA GPU here", "nvml": nvml}
-    report: dict[str, Any] = {"nvml": nvml}
+        return EXIT_NO_GPU, {"result": "no GPU: NVML finds no NVIDIA GPU here", "nvml": nvml,
+                             "python": python}
+    report: dict[str, Any] = {"nvml": nvml, "python": python}
     try:
         report["xid_events"] = await asyncio.to_thread(check_xid_drain, monitor)
-        report["release"] = await check_release(monitor, args.python, args.mib,
-                                                args.release_timeout_s, args.release_slack_mib)
-        report.update(await check_template(args.python, args.mib, args.release_timeout_s))
+        if python["ok"]:
+            report["release"] = await check_release(monitor, python["path"], args.mib,
+                                                    args.release_timeout_s, args.release_slack_mib)
+            report.update(await check_template(python["path"], args.mib, args.release_timeout_s))
     finally:
         monitor.close()
     failed = sorted(name for name, check in report.items() if not check.get("ok"))

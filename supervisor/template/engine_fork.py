@@ -36,6 +36,8 @@ from typing import Any
 # engine venv (where the repository is no package to import from).
 contract = (sys.modules.get("chat_appliance_vllm_contract")
             or importlib.import_module("appliance.fences.vllm"))
+cuda_state = (sys.modules.get("chat_appliance_cuda_state")
+              or importlib.import_module("supervisor.template.cuda_state"))
 # libzmq names its I/O and reaper threads; a forked child never touches the parent's context.
 FORK_SAFE_THREAD_PREFIXES = ("ZMQbg/",)
 # A new thread carries the process's name until it names itself: wait that long for names.
@@ -120,8 +122,9 @@ def fork_unsafe_reasons() -> list[str]:
     reasons = []
     if contract.Flag.NUMA_BIND in sys.argv:
         reasons.append(f"{contract.Flag.NUMA_BIND} needs spawn")
-    if cuda_initialized():
-        reasons.append("CUDA is initialised")
+    cuda = cuda_state.cuda_state()
+    if cuda.initialised:
+        reasons.append(f"CUDA is initialised ({cuda.reason})")
     if "microsoft" in platform.uname().release.lower():
         reasons.append("WSL: NVML does not survive a fork there")
     foreign = foreign_threads()
@@ -149,7 +152,3 @@ def thread_names() -> dict[int, str]:
             names[int(tid)] = comm.read().strip()  # OSError: a thread that ended while we looked
     return names
 
-
-def cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())

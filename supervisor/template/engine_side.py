@@ -22,12 +22,12 @@ process groups of the workers it still has: none may run unsupervised.
 With --engine-core-fork, EngineCore is forked where that is safe: see engine_fork.py, loaded by
 path from this directory.
 
-"Holds no GPU" means no CUDA context: torch.cuda.is_initialized() is false and no /dev/nvidia-uvm*
-file is open (the CUDA driver opens UVM when it initialises; NVML never does). NVML alone may
-be open (/dev/nvidiactl, /dev/nvidiaN): torch asks NVML for the device count and never shuts it
-down, and `import vllm` can make it ask. An NVML handle carries no GPU state a fork could
-break, so it is reported (`nvml_files`), not refused. Read from the torch 2.13 and vLLM 0.32
-sources; python -m supervisor.gpu.smoke checks it on a GPU.
+"Holds no GPU" means no CUDA context, as the CUDA driver and torch say (cuda_state.py, loaded
+by path from this directory), never as open files say: NVML opens /dev/nvidiactl, /dev/nvidiaN
+and, on driver 580, /dev/nvidia-uvm too (torch asks NVML for the device count and never shuts it
+down, and `import vllm` can make it ask), and a child forked then still uses CUDA. The device
+files held are reported (`nvml_files`), not refused. python -m supervisor.gpu.smoke checks it on
+a GPU.
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def load_by_path(name: str, *relative: str) -> ModuleType:
 
 # vLLM's module paths and names, which engine_fork reads under this name (appliance/fences/vllm.py)
 load_by_path("vllm_contract", os.pardir, os.pardir, "appliance", "fences", "vllm.py")
+cuda_state = load_by_path("cuda_state", "cuda_state.py")  # engine_fork reads it under this name
+fork_probe = load_by_path("fork_probe", "fork_probe.py")
 engine_fork = load_by_path("engine_fork", "engine_fork.py")
 
 MAX_MESSAGE_BYTES = 1 << 20
 START_FDS = 2  # the worker's stdout and stderr
-CUDA_DEVICE_FILES = ("/dev/nvidia-uvm",)  # opened by the CUDA driver (cuInit), never by NVML
 
 
 @dataclass
@@ -95,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="module to import once if it can be (vLLM versions differ)")
     parser.add_argument("--engine-core-fork", action="store_true",
                         help="fork vLLM's EngineCore where that is safe")
+    parser.add_argument("--trial-fork-timeout-s", type=float, default=10.0,
+                        help="how long the trial child forked at boot may take")
     return parser.parse_args(argv)
 
 
@@ -112,19 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # third-party imports can raise anything; reported, then exit 1
         send(control, {"event": "failed", "error": f"preload: {type(exc).__name__}: {exc}"})
         return 1
-    gpu_files = open_files("/dev/nvidia")
-    cuda_files = cuda_context_files(gpu_files)
-    if engine_fork.cuda_initialized() or cuda_files:
-        send(control, {"event": "failed",
-                       "error": f"the preloads initialised CUDA (open {cuda_files or gpu_files})"})
+    cuda = cuda_state.cuda_state()
+    if cuda.initialised:
+        send(control, {"event": "failed", "error": f"the preloads initialised CUDA ({cuda.reason})"})
+        return 1
+    threads = len(engine_fork.thread_names())  # before the trial: OpenBLAS joins its pool at a fork
+    unsafe = fork_probe.trial_fork(args.trial_fork_timeout_s)
+    if unsafe is not None:
+        send(control, {"event": "failed", "error": unsafe})
         return 1
     import_env = changed_environment(before, dict(os.environ))
     # What the preloads built lives as long as any worker: keep the collector off it, so a
     # worker's gc.collect() neither walks it (seconds, for vLLM) nor copies its pages on write.
     gc.collect()
     gc.freeze()
-    facts = ready_facts(args.preload, skipped, time.monotonic() - began)
-    send(control, facts | {"nvml_files": gpu_files, "import_env": sorted(import_env)})
+    facts = ready_facts(args.preload, skipped, time.monotonic() - began) | {"threads": threads}
+    send(control, facts | {"nvml_files": open_files("/dev/nvidia"), "cuda": cuda.reason,
+                           "import_env": sorted(import_env)})
     start = serve(control)
     if start is None:
         return 0
@@ -172,18 +179,13 @@ def ready_facts(preloaded: list[str], skipped: list[str], import_s: float) -> di
         "site_packages": [p for p in sys.path if p.endswith("site-packages")],
         "preloaded": preloaded, "skipped": skipped, "modules": len(sys.modules),
         "import_s": round(import_s, 2),
-        "threads": len(engine_fork.thread_names()), "cuda_initialized": False,
+        "cuda_initialized": False,
         "vllm_version": getattr(vllm, "__version__", None),
     }
 
 
-def cuda_context_files(gpu_files: list[str]) -> list[str]:
-    """The device files among `gpu_files` that only a CUDA context opens; NVML's are not."""
-    return [path for path in gpu_files if path.startswith(CUDA_DEVICE_FILES)]
-
-
 def open_files(prefix: str) -> list[str]:
-    """Paths under `prefix` this process holds open (a CUDA context holds /dev/nvidia*)."""
+    """Paths under `prefix` this process holds open: reported, never a verdict on CUDA."""
     found = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # the fd that listed the directory is gone
@@ -215,7 +217,7 @@ def serve(control: socket.socket) -> Start | None:
                     close_all(fds)
                     send(control, {"event": "refused", "error": start})
                     continue
-                pid = os.fork()
+                pid = fork_probe.fork()  # its threads were proven at boot (trial_fork)
                 if pid == 0:
                     close_all([control.detach(), *children])
                     return start

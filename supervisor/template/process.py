@@ -111,10 +111,12 @@ class TemplateProcess:
     @classmethod
     async def launch(cls, python: Path, preloads: tuple[list[str], list[str]],
                      engine_core_fork: bool, env: dict[str, str], boot_timeout_s: float,
-                     script: Path = TEMPLATE_SCRIPT) -> TemplateProcess:
-        """Start a template and wait until it has imported (required, best-effort) modules."""
+                     fork_timeout_s: float, script: Path = TEMPLATE_SCRIPT) -> TemplateProcess:
+        """Start a template and wait until it has imported (required, best-effort) modules and
+        its trial child, forked at boot, has ended within fork_timeout_s."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [str(python), str(script), "--control-fd", str(theirs.fileno())]
+        argv = [str(python), str(script), "--control-fd", str(theirs.fileno()),
+                "--trial-fork-timeout-s", str(fork_timeout_s)]
         argv += [arg for name in preloads[0] for arg in ("--preload", name)]
         argv += [arg for name in preloads[1] for arg in ("--warm", name)]
         argv += ["--engine-core-fork"] if engine_core_fork else []

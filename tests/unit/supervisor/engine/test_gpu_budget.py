@@ -93,3 +93,15 @@ def test_serve_sizes_nothing_on_the_cpu() -> None:
         raise AssertionError("NVML is not asked on the CPU")
 
     assert size_gpu_reservation(Settings(engine={"device": "cpu"}), memory) is None
+
+
+def test_concurrency_is_what_the_reservation_holds_beyond_weights_and_overhead(
+        shape: ModelShape) -> None:
+    """In vLLM's terms: full windows at once ("Maximum concurrency for N tokens per request")."""
+    chosen = plan(Settings(engine={"kv_budget_sequences": 1000, "gpu_memory_max_share": 0.5}),
+                  shape, H200)
+    kv = chosen.reserved_bytes - chosen.weights_bytes - 2 * GIB
+    assert chosen.concurrency == kv / (8192 * 23040) and chosen.budget_required
+    assert chosen.window_within(chosen.minimum_bytes) == chosen.window == 8192
+    assert chosen.window_within(chosen.weights_bytes) == 0
+    assert not plan(Settings(), shape, H200).budget_required

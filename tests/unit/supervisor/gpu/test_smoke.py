@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ import pytest
 
 from appliance.settings import GpuSettings
 from supervisor.gpu import smoke, smoke_checks
+from supervisor.template.process import TemplateProcess
 from tests.unit.supervisor.gpu.fake_nvml import (
     UUID,
     FakeGpu,
@@ -102,3 +106,42 @@ def test_it_runs_with_torch_nvml_and_psutil_alone() -> None:
 
 def test_its_release_slack_is_the_appliances_default() -> None:
     assert smoke.parse_args([]).release_slack_mib == GpuSettings().release_slack_mib
+
+
+def test_an_interpreter_named_as_an_operator_types_it_is_found_on_path() -> None:
+    """`--python python3`: the template accepts only its own sys.executable, an absolute path
+    that Python found by the same PATH search."""
+    found = smoke_checks.resolve_python("python3")
+    which = shutil.which("python3")
+    assert which is not None and found == {"ok": True, "given": "python3", "path": which}
+    assert smoke_checks.resolve_python("no-such-python-here")["ok"] is False
+
+
+def test_an_interpreter_that_cannot_be_found_is_a_failed_check_not_a_traceback() -> None:
+    args = smoke.parse_args(["--python", "no-such-python-here"])
+    status, report = asyncio.run(smoke_checks.run(args, FakeGpu().module()))
+    assert status == smoke_checks.EXIT_FAILED
+    assert report["python"]["ok"] is False and report["result"] == "failed: python"
+
+
+@pytest.mark.anyio
+async def test_a_start_the_template_refuses_is_a_failed_check_not_a_traceback() -> None:
+    """A template that refuses the worker (here: argv[0] is not its interpreter) fails the
+    worker check with the template's reason."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    template = await TemplateProcess.launch(Path(sys.executable), (["json"], []), False, env, 60, 10)
+    try:
+        report = await smoke_checks._forked_worker(template, "python3", 16, 10)
+    finally:
+        await template.close()
+    assert report["ok"] is False and "is not this template's interpreter" in report["error"]
+
+
+@pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this box has a GPU")
+@pytest.mark.parametrize("python", ["python3", "no-such-python-here"])
+def test_any_python_argument_ends_in_the_json_report(python: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "supervisor.gpu.smoke", "--python", python],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == smoke_checks.EXIT_NO_GPU, done.stderr
+    assert "Traceback" not in done.stderr
+    assert json.loads(done.stdout)["python"]["given"] == python

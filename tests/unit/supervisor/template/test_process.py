@@ -135,6 +135,35 @@ async def test_a_template_that_cannot_import_its_preloads_means_spawn_and_why(
     assert await worker.wait() == 0
 
 
+async def test_a_template_whose_preloads_initialised_cuda_means_spawn_and_why(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """A child forked after CUDA's initialisation cannot use the GPU: the template says so."""
+    launcher = launchers(engine("--exit", "0", PYTHONPATH=REPO),
+                         preloads=["tests.support.cuda_initialised_torch"])
+    with capture_logs() as logs:
+        worker = await launcher.start()
+    assert isinstance(worker, WorkerProcess)
+    fallback = [e for e in logs if e["event"] == "worker.spawn_fallback"]
+    assert fallback and "the preloads initialised CUDA (torch.cuda.is_initialized() is true)" \
+        in fallback[0]["reason"]
+    assert await worker.wait() == 0
+
+
+async def test_a_template_whose_threads_hang_a_forked_child_means_spawn_and_why(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """A preload left a pool whose lock a forked child cannot take (torch's OpenMP pool once it
+    has run): the trial fork at boot finds the child hanging, and workers are spawned."""
+    settings = engine("--exit", "0", PYTHONPATH=REPO).model_copy(
+        update={"template_fork_timeout_s": 1.0})
+    launcher = launchers(settings, preloads=["tests.support.pool_locked_in_child"])
+    with capture_logs() as logs:
+        worker = await launcher.start()
+    assert isinstance(worker, WorkerProcess)
+    fallback = [e for e in logs if e["event"] == "worker.spawn_fallback"]
+    assert fallback and "a child forked from the template hung for 1s" in fallback[0]["reason"]
+    assert await worker.wait() == 0
+
+
 async def test_repeated_template_failures_give_the_template_up(
         launchers: Callable[..., TemplateLauncher]) -> None:
     launcher = launchers(engine("--exit", "0"), preloads=["no_such_module_for_the_template"])
