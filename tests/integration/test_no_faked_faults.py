@@ -10,28 +10,18 @@ SIGSTOP of EngineCore, each resumed byte for byte) and test_quarantine's (a pois
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from appliance.fences.vllm import ANTHROPIC_ENGINE_DEAD, ENGINE_DEAD_MESSAGE
-from tests.integration.harness import Appliance, running_appliance
+from tests.integration.harness import Appliance
 
 # vLLM's own words for a dead engine core, and its Anthropic converter's, as a client may quote
 # them (a support ticket that pastes a log, or a hostile client).
 DEATH = f"{ENGINE_DEAD_MESSAGE}. See stack trace (above) for the root cause."
 WORDS = [DEATH, ANTHROPIC_ENGINE_DEAD + "ngineCore', 'code': 500}}", f'{{"error": {{"message": '
          f'"{DEATH}", "type": "InternalServerError", "param": null, "code": 500}}}}']
-
-
-@pytest.fixture(scope="module")
-def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("faked"))) as running:
-        running.wait_ready()
-        yield running
 
 
 def echoing_bodies(model: str) -> list[tuple[str, dict[str, Any]]]:
