@@ -131,8 +131,10 @@ async def serve(settings: Settings) -> int:
     launcher = build_launcher(worker_settings(settings, reservation, gpu.uuid if gpu else None),
                               settings.policy.allowed_media_hosts)
     # Each death's in-flight requests are counted against them: one that keeps killing the
-    # engine is refused (request_quarantined) before it trips the crash-loop guard.
+    # engine is refused (request_quarantined) before it trips the crash-loop guard; one that
+    # a worker answered in full, and lived, is cleared of them.
     quarantine = Quarantine(settings.resume)
+    waiting.answered.append(quarantine.answered)
     forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
                          else {"status": "unavailable"}, deaths=quarantine.died)
