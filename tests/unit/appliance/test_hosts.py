@@ -83,7 +83,7 @@ async def call(app: Litestar, method: str, path: str, host: str) -> httpx.Respon
 
 async def test_every_route_refuses_a_foreign_host_421_before_its_key_or_engine_is_asked() -> None:
     app = app_with()
-    routes = every_route(app) + [("GET", "/no/such/route"), ("DELETE", "/livez")]
+    routes = [*every_route(app), ("GET", "/no/such/route"), ("DELETE", "/livez")]
     for path in ("/", "/status.json", "/health", "/livez", "/metrics", "/v1/chat/completions",
                  "/v1/messages"):
         assert any(p == path for _, p in routes), path
