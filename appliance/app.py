@@ -108,7 +108,8 @@ def create_app(
     hosts = AllowedHosts(settings.server)
 
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-        host = headers_of(request.scope).get(b"host")  # no route matched: no host check ran
+        # Where no route matched (404, 405) the host check has not run yet.
+        host = headers_of(request.scope).get(b"host")
         error = _as_api_error(exc) if hosts.allows(host) else misdirected(host)
         answered = answer(request.scope, error)
         return Response(content=answered.body, status_code=answered.status,
@@ -118,7 +119,8 @@ def create_app(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
                         *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
-        # The Host first: a page that rebound a name to this box gets nothing from any route.
+        # The Host before any route's guards, body or handler: a page that rebound a name to
+        # this box gets nothing from any route (request_context and metrics only note it).
         middleware=[request_context, metrics.middleware, host_check(hosts, answer)],
         lifespan=[lifespan],
         request_max_body_size=settings.server.max_body_bytes,
