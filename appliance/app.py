@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Litestar, Request, Response, Router
+from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException
+from litestar.types import ASGIApp, Receive, Scope, Send
 from prometheus_client import CollectorRegistry
 
 from appliance.admission.clients import Roster
@@ -22,7 +24,7 @@ from appliance.apis.shape import ErrorShape
 from appliance.apis.tokenizer import routes as tokenizer
 from appliance.context import REQUEST_ID, headers_of, request_context
 from appliance.engine import EngineView
-from appliance.error_answer import error_answer
+from appliance.error_answer import ErrorAnswer, error_answer
 from appliance.errors import (
     ApiError,
     BadRequest,
@@ -35,6 +37,7 @@ from appliance.errors import (
 from appliance.fences.litestar import client_left, route_of
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
+from appliance.hosts import AllowedHosts, misdirected
 from appliance.metrics import UNROUTED, RequestMetrics
 from appliance.policy.cost_watch import CostWatch
 from appliance.recovery.quarantine import Quarantine
@@ -96,19 +99,29 @@ def create_app(
                 await sampler
             await upstream.aclose()
 
+    def answer(scope: Scope, error: ApiError) -> ErrorAnswer:
+        request_id = headers_of(scope).get(REQUEST_ID)
+        return error_answer(error, _shape(scope),
+                            None if request_id is None else request_id.decode("latin-1"),
+                            metrics, route=route_of(scope) or UNROUTED)
+
+    hosts = AllowedHosts(settings.server)
+
     def on_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-        request_id = headers_of(request.scope).get(REQUEST_ID)
-        answer = error_answer(_as_api_error(exc), _shape(request),
-                              None if request_id is None else request_id.decode("latin-1"),
-                              metrics, route=route_of(request.scope) or UNROUTED)
-        return Response(content=answer.body, status_code=answer.status,
-                        media_type="application/json", headers=answer.headers)
+        # Where no route matched (404, 405) the host check has not run yet.
+        host = headers_of(request.scope).get(b"host")
+        error = _as_api_error(exc) if hosts.allows(host) else misdirected(host)
+        answered = answer(request.scope, error)
+        return Response(content=answered.body, status_code=answered.status,
+                        media_type="application/json", headers=answered.headers)
 
     return Litestar(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
                         *ops.open_routes(alive), *status.page_routes()],
         exception_handlers={Exception: on_error},
-        middleware=[request_context, metrics.middleware],
+        # The Host before any route's guards, body or handler: a page that rebound a name to
+        # this box gets nothing from any route (request_context and metrics only note it).
+        middleware=[request_context, metrics.middleware, host_check(hosts, answer)],
         lifespan=[lifespan],
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,
@@ -131,10 +144,29 @@ def _api_routers(settings: Settings, relay: RelayDeps, clients: Roster) -> list[
     return [api, anthropic_api]
 
 
-def _shape(request: Request[Any, Any, Any]) -> ErrorShape:
-    handler = request.scope.get("route_handler")
+def _shape(scope: Scope) -> ErrorShape:
+    handler = scope.get("route_handler")
     shape = handler.opt.get("shape") if handler is not None else None
     return shape if shape is not None else OPENAI
+
+
+def host_check(hosts: AllowedHosts,
+               answer: Callable[[Scope, ApiError], ErrorAnswer]) -> Callable[[ASGIApp], ASGIApp]:
+    """A Host this appliance does not answer is refused before the route's guards, its body
+    or its handler run (appliance.hosts)."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == ScopeType.HTTP:
+                host = headers_of(scope).get(b"host")
+                if not hosts.allows(host):
+                    await answer(scope, misdirected(host)).send(send)
+                    return
+            await app(scope, receive, send)
+
+        return checked
+
+    return middleware
 
 
 def _as_api_error(exc: Exception) -> ApiError:

@@ -45,6 +45,7 @@ class _Held:
     pending: Pending
     serial: int  # the count of requests sent when it was added
     answering: bool = False  # a byte of its answer came from this worker
+    at_death: bool = False  # an engine death was described while this worker had it
 
 
 _Unhashed = tuple[Pending, bytes]  # a request and its body as first sent
@@ -71,6 +72,9 @@ class Waiting:
         self._named: dict[object, str | _Unhashed] = {}
         self._cut: deque[tuple[_Held, str | _Unhashed | None, int]] = deque(maxlen=cut_kept)
         self.sent = 0  # requests added so far: a new one is work the engine has not seen
+        # Told the fingerprint of each request answered in full by a worker that had it
+        # through no death, where it was hashed (it met a death or a suspect): the quarantine.
+        self.answered: list[Callable[[str], None]] = []
 
     def add(self, key: object, request_id: str, pending: Pending) -> None:
         self._requests[key] = _Held(request_id, pending, self.sent)
@@ -127,6 +131,10 @@ class Waiting:
             if error is None:
                 while self._cut and self._cut[0][2] <= held.serial:
                     self._cut.popleft()
+                named = self._named.get(key)
+                if isinstance(named, str) and not held.at_death:
+                    for listener in self.answered:
+                        listener(named)
             # One set aside when it failed was already told at the death that failed it.
             elif isinstance(error, ApiError) and error.status >= 500:
                 self._cut.append((held, self._named.get(key), self.sent))
@@ -157,6 +165,8 @@ class Waiting:
         size; its body only if asked."""
         held = [(h, self._named.get(key), False)
                 for key, h in [*self._requests.items(), *self._checking.items()]]
+        for h, _, _ in held:
+            h.at_death = True  # its answer, if it ends, came from a worker that died with it
         held += [(h, named, True) for h, named, _ in self._cut]
         self._cut.clear()
         return [_described(h, named, failed, bodies) for h, named, failed in held]

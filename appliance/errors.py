@@ -6,6 +6,7 @@ ApiError                         any refusal or failure a client is told about
 ├── Forbidden (403)              a client's key does not allow the route
 ├── NotFound (404)
 ├── RequestTimeout (408)         the head or the body did not arrive within its time
+├── MisdirectedRequest (421)     a Host this appliance does not answer (appliance.hosts)
 ├── PayloadTooLarge (413)
 ├── HeadersTooLarge (431)        the request head's bytes or header count (the edge)
 ├── UnsupportedMediaType (415)   a generation request whose body is not JSON
@@ -93,6 +94,11 @@ class RequestTimeout(_BodyLeftUnread):
 
 class PayloadTooLarge(_BodyLeftUnread):
     status = 413
+    kind = "invalid_request_error"
+
+
+class MisdirectedRequest(ApiError):
+    status = 421
     kind = "invalid_request_error"
 
 

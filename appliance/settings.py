@@ -72,6 +72,14 @@ class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
 class ServerSettings(_Group):
     """The LAN-facing API."""
 
@@ -102,6 +110,20 @@ class ServerSettings(_Group):
     tls_handshake_timeout_s: float = Field(5.0, gt=0)
     # The operator's socket (reload); None: <run dir>/control-<port>.sock.
     control_socket: Path | None = None
+    # Host names (or addresses) answered besides the machine's own (appliance.hosts): a
+    # fleet's name, a NAT's address. "*": any Host (behind a router that rewrites it).
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: list[str]) -> list[str]:
+        names = []
+        for entry in value:
+            name = entry.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
+            if not name or any(c in name for c in "/ \t@") or (":" in name and not _is_ip(name)):
+                raise ValueError(f"{entry!r} is not a host name or address (no port, no scheme)")
+            names.append(name)
+        return names
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerSettings:

@@ -23,6 +23,8 @@ from typing import Any
 
 import structlog
 
+from supervisor.private import private_dir
+
 log = structlog.get_logger("supervisor.control")
 
 # One JSON object answers each command; a ControlRefused says why the action did not happen.
@@ -66,7 +68,7 @@ async def control_socket(path: Path, actions: Mapping[str, Action]) -> AsyncIter
 
 def _private_directory(directory: Path) -> None:
     """The socket's directory: ours, and entered by nobody else."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(directory)
     if directory.stat().st_uid != os.geteuid():
         raise PermissionError(f"{directory} belongs to another user")
     os.chmod(directory, 0o700)

@@ -45,6 +45,7 @@ from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor, WorkerDemand
 from supervisor.monitors.stillness import Stillness, server_activity
+from supervisor.private import private_dir
 from supervisor.reload import Reloader
 from supervisor.sdnotify import Notifier
 from supervisor.tls import ServerTls
@@ -78,7 +79,7 @@ def prepare_cache_dir(path: Path) -> bool:
     """The worker's cache root must exist and be writable, or every restart compiles again: say
     so once at start (a warning, not a failure; the worker still runs, only slower to restart)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)
         probe = path / f".write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
@@ -130,8 +131,10 @@ async def serve(settings: Settings) -> int:
     launcher = build_launcher(worker_settings(settings, reservation, gpu.uuid if gpu else None),
                               settings.policy.allowed_media_hosts)
     # Each death's in-flight requests are counted against them: one that keeps killing the
-    # engine is refused (request_quarantined) before it trips the crash-loop guard.
+    # engine is refused (request_quarantined) before it trips the crash-loop guard; one that
+    # a worker answered in full, and lived, is cleared of them.
     quarantine = Quarantine(settings.resume)
+    waiting.answered.append(quarantine.answered)
     forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
                          else {"status": "unavailable"}, deaths=quarantine.died)

@@ -7,6 +7,22 @@ requests in flight at it (`died`); the relay asks before each send to the worker
 and a fingerprint in flight at `resume.quarantine_after` deaths is answered
 `request_quarantined` instead. Fingerprints are remembered for `resume.quarantine_ttl_s` after
 their last death, at most `resume.max_quarantined` of them, the least recently seen forgotten.
+
+Only the deaths a fingerprint's presence may explain count against it. The rule:
+  a death counts against a fingerprint if a request with it was in flight at that death (a
+  worker had it: sent, or being fitted to the budget), and no request with it has been
+  answered in full since by a worker that had it through no death (`answered`, told by
+  appliance.engine.Waiting).
+Such an answer proves the input harmless to an engine: one reached it, ran to its end and left
+it alive. Whatever deaths it was in flight at had another cause (a kill, a freeze, another
+request), so its record is dropped and its count starts again from nothing. A poison input
+kills (or hangs) every engine it reaches: it is never answered in full, and its deaths add up
+to the bound. An answer whose worker died while it had the request does not clear it (the
+stream that got its last token as its engine died: that engine did not live on). Identical
+bodies share a fingerprint: a monitoring probe sent again and again is cleared by each of its
+answers, and a greedy request that outlived one fault is not refused at the next unrelated one.
+An input that kills the engine only after its answer has ended is never in flight at the
+death, and is not counted (it never was).
 """
 
 from __future__ import annotations
@@ -53,6 +69,14 @@ class Quarantine:
         self._suspects: OrderedDict[str, Suspect] = OrderedDict()  # least recent death first
         self.listeners: list[Callable[[str], None]] = []  # told of each refusal (the metric)
         self._isolation: asyncio.Lock | None = None  # made on the loop that uses it
+
+    def answered(self, fingerprint: str) -> None:
+        """A request with this fingerprint was answered in full by a worker that had it
+        through no death: the deaths it was in flight at are not its doing."""
+        suspect = self._suspects.pop(fingerprint, None)
+        if suspect is not None:
+            log.info("request.quarantine_cleared", fingerprint=fingerprint,
+                     deaths=suspect.deaths, refused=suspect.refused)
 
     def died(self, fingerprints: Iterable[str]) -> None:
         """One engine death, with the fingerprints of the requests in flight at it."""

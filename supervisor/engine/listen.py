@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from appliance.fences.vllm import Flag
+from supervisor.private import private_dir
 
 if TYPE_CHECKING:  # a type only: the GPU smoke check imports this without pydantic
     from appliance.settings import EngineSettings
@@ -51,7 +52,7 @@ def prepare_socket_dir(engine: EngineSettings) -> None:
     if len(os.fsencode(path)) > _SUN_PATH_MAX:
         raise ListenError(f"socket path {path} is longer than {_SUN_PATH_MAX} bytes: "
                           "set engine.socket_dir to a shorter directory")
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(directory.parent)
     with contextlib.suppress(FileExistsError):
         directory.mkdir(mode=0o700)
     found = directory.lstat()

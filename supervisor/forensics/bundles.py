@@ -1,6 +1,6 @@
 """Crash bundles on disk: one JSON file per engine death, bounded in size and count.
 
-A bundle is written once at the death (atomically: a temporary file renamed into place) and
+A bundle is written once at the death (atomically, mode 0600: supervisor.private) and
 rewritten once when the restart that followed completes, to add its timings. Past
 `crashes.keep` bundles the oldest are deleted; past `crashes.max_bytes` a bundle's log lines,
 stacks and request list are trimmed, oldest lines first, and the bundle says what was cut.
@@ -9,13 +9,13 @@ stacks and request list are trimmed, oldest lines first, and the bundle says wha
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
 import structlog
 
 from appliance.settings import CrashSettings
+from supervisor.private import write_private
 
 log = structlog.get_logger("supervisor.forensics.bundles")
 
@@ -35,10 +35,8 @@ class Bundles:
         name = name or _name(bundle)
         data = _fit(bundle, self._settings.max_bytes)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # it names clients
-            temporary = self.dir / f".{name}.tmp"
-            temporary.write_bytes(data)
-            os.replace(temporary, self.dir / (name + SUFFIX))
+            # It names clients and holds the worker's log lines: 0600 in whatever directory.
+            write_private(self.dir / (name + SUFFIX), data)
         except OSError as error:
             log.warning("crash.bundle_unwritable", dir=str(self.dir),
                         error=error.strerror or str(error))

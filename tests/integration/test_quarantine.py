@@ -1,23 +1,33 @@
 """One input that kills the engine does not keep the box in a crash loop: after two engine deaths
-with it in flight it is refused (request_quarantined), while another client is served.
+with it in flight it is refused (request_quarantined), while another client is served; and
+requests that ran to their end on an engine that lived are never refused for it.
 
 Over the synthetic worker started with --die-on (it SIGKILLs itself on the marker, as an engine
 crashes on a poison input): the real supervisor sees each death, its forensics tell the
 quarantine what was in flight, and the relay sends the marker again itself (resume) after the
 first death, and refuses it after the second. Both clients retry on 503 as the SDKs do
-(Retry-After, a bounded number of times)."""
+(Retry-After, a bounded number of times).
+
+The innocent side runs on the real vLLM CPU worker: the same eight greedy chat requests are in
+flight at a kill -9 of the worker and, once they were answered, at a freeze (SIGSTOP) of
+EngineCore; each is answered both times."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 
-from tests.integration.harness import Appliance, running_synthetic_appliance
+from tests.integration.harness import Appliance, running_appliance, running_synthetic_appliance
 from tests.metrics_text import value
 
 MARKER = "synthetic:die"
@@ -92,3 +102,63 @@ def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_s
     held = status["requests"]["quarantined"]
     assert held["count"] == 1 and held["newest"][0]["fingerprint"] == quarantined["fingerprint"]
     assert value(metrics, "appliance_requests_quarantined_total") == 1
+
+
+INNOCENT = [{"messages": [{"role": "user", "content": f"Count from {n} to {n + 30}, in words."}],
+             "max_tokens": 100, "temperature": 0} for n in range(8)]
+
+
+def engine_core(appliance: Appliance) -> psutil.Process:
+    children = psutil.Process(appliance.worker_pid()).children(recursive=True)
+    return next(p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name())
+
+
+def answered_through(appliance: Appliance, fault: Callable[[], None]) -> list[httpx.Response]:
+    """The eight requests at once, the fault once the engine has all of them, every answer."""
+    old = appliance.worker_pid()
+    answers: dict[int, httpx.Response] = {}
+
+    def send(index: int, body: dict[str, Any]) -> None:
+        answers[index] = httpx.post(f"{appliance.url}/v1/chat/completions", json=body,
+                                    timeout=600)
+
+    senders = [threading.Thread(target=send, args=item) for item in enumerate(INNOCENT)]
+    for sender in senders:
+        sender.start()
+    deadline = time.monotonic() + 120
+    while (stats := appliance.engine_stats()).running + stats.waiting < len(INNOCENT):
+        assert not answers, "answered before the fault"
+        assert time.monotonic() < deadline, "the engine never had all eight"
+        time.sleep(0.02)
+    fault()
+    for sender in senders:
+        sender.join(600)
+    assert appliance.wait_ready()["pid"] != old
+    return [answers[index] for index in range(len(INNOCENT))]
+
+
+def test_requests_answered_through_a_kill_are_answered_through_an_unrelated_freeze(
+        tmp_path: Path) -> None:
+    with running_appliance(tmp_path, supervisor__crash_loop_restarts="100") as appliance:
+        appliance.wait_ready()
+        killed = answered_through(appliance,
+                                  lambda: os.kill(appliance.worker_pid(), signal.SIGKILL))
+        frozen = answered_through(appliance,
+                                  lambda: engine_core(appliance).send_signal(signal.SIGSTOP))
+        status = httpx.get(f"{appliance.url}/status.json", timeout=10).json()
+        events = appliance.log_events()
+
+    for answers in (killed, frozen):
+        assert [a.status_code for a in answers] == [200] * len(INNOCENT), [a.text for a in answers]
+        assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
+    assert [e for e in events if e.get("event") == "request.quarantined"] == []
+    assert status["requests"]["quarantined"]["count"] == 0
+    # Both faults were deaths with all eight in flight, each fingerprint told each time...
+    bundles = [json.loads(p.read_text()) for p in sorted((tmp_path / "crashes").glob("*.json"))]
+    assert [b["cause"]["reason"] for b in bundles] in (["exited", "hung"], ["exited", "unhealthy"])
+    fingerprints = [{r["fingerprint"] for r in b["in_flight"]} for b in bundles]
+    assert len(fingerprints[0]) == len(INNOCENT) and fingerprints[0] == fingerprints[1]
+    # ...and cleared by the answer each had from the next worker.
+    cleared = Counter(str(e["fingerprint"]) for e in events
+                      if e.get("event") == "request.quarantine_cleared")
+    assert cleared == Counter({fingerprint: 2 for fingerprint in fingerprints[0]})

@@ -109,7 +109,7 @@ async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> 
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
         reader, writer = await asyncio.open_connection(sock=sock)
         payload = json.dumps(CHAT | {"stream": True, "max_tokens": tokens}).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
                      b"content-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%b" % (len(payload), payload))
         await asyncio.sleep(1.0)  # not reading: the appliance's socket buffer fills

@@ -86,7 +86,7 @@ async def _send(route: Route, body: bytes, headers: list[tuple[str, bytes]]) -> 
     async with upstream() as (_, url):
         app = create_app(Settings(), FakeEngine(url))
         transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             sent = [("content-type", b"application/json"), *headers]
             return await client.request(route.method, route.path, content=body or None,
                                         headers=[(k.encode(), v) for k, v in sent])

@@ -282,7 +282,7 @@ async def test_the_slot_is_given_back_before_the_client_sees_the_end(stream: boo
             await app(scope, receive, sending)
 
         transport = httpx.ASGITransport(app=spy)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             response = await client.post("/v1/chat/completions", json=CHAT | {"stream": stream})
     assert response.status_code == 200
     assert in_flight_at_end == [0]

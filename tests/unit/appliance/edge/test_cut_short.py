@@ -18,7 +18,7 @@ from tests.unit.appliance.edge.conftest import boot
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}).encode()
 PATH = "/v1/chat/completions"
-CHUNKED = (f"POST {PATH} HTTP/1.1\r\nHost: appliance\r\nContent-Type: application/json\r\n"
+CHUNKED = (f"POST {PATH} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
            "Transfer-Encoding: chunked\r\n\r\n").encode()
 
 

@@ -131,7 +131,7 @@ def test_trickled_headers_are_cut_off_within_the_header_timeout(stack: Stack) ->
     endless = b"".join(f"X-Slow-{i}: {i}\r\n".encode() for i in range(1000))
     with Conn(stack.target) as conn:
         started = time.monotonic()
-        assert conn.send(b"GET /livez HTTP/1.1\r\nHost: appliance\r\n")
+        assert conn.send(b"GET /livez HTTP/1.1\r\nHost: localhost\r\n")
         still_listening = conn.send_slowly(endless, piece=12, gap_s=0.2, until_s=CUT_OFF_S)
         assert not still_listening, f"still taking header lines after {CUT_OFF_S}s"
         _assert_cut_off([conn], started)
@@ -151,8 +151,8 @@ def test_a_slow_but_steady_honest_body_is_served(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("first", [
-    b"GET /livez HTTP/1.1\r\nHost: appliance\r\n\r\n",  # answered; then blank lines
-    b"GET /livez HTTP/1.1\r\nHost: appliance\r\nContent-Length: 100000\r\n\r\n",  # unread body
+    b"GET /livez HTTP/1.1\r\nHost: localhost\r\n\r\n",  # answered; then blank lines
+    b"GET /livez HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100000\r\n\r\n",  # unread body
 ], ids=["blank-lines-after-an-answer", "a-body-the-route-never-reads"])
 def test_bytes_trickled_after_an_answer_are_cut_off_within_the_header_timeout(
         stack: Stack, first: bytes) -> None:

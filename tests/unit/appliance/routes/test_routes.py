@@ -42,7 +42,7 @@ async def call(app: Litestar, method: str, path: str, key: str | None = None) ->
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://app") as client:
+                                 base_url="http://localhost") as client:
         return await client.request(method, path, headers=headers, content=b"{}")
 
 
@@ -77,7 +77,7 @@ async def test_the_surface_routes_are_served_and_guarded() -> None:
 async def test_only_the_anthropic_routes_take_the_key_as_x_api_key() -> None:
     app = app_with()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://app") as client:
+                                 base_url="http://localhost") as client:
         for method, path in every_route(app):
             if path in OPEN_ALWAYS | OPS:
                 continue

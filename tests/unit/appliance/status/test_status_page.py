@@ -28,7 +28,7 @@ class ExitedEngine(FakeEngine):
 
 async def get(app: Litestar, path: str, **kwargs: Any) -> httpx.Response:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://app") as client:
+                                 base_url="http://localhost") as client:
         return await client.get(path, **kwargs)
 
 
@@ -74,7 +74,7 @@ async def test_status_json_counts_requests_and_reads_the_engines_own_queue() -> 
     app = create_app(Settings(policy={"max_inflight": 8}), FakeEngine("http://127.0.0.1:9"),
                      engine_reading=lambda: reading)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://app") as client:
+                                 base_url="http://localhost") as client:
         refused = await client.post("/v1/completions", json={"prompt": "x", "n": 9})
         assert refused.status_code == 400
         doc = (await client.get("/status.json")).json()
