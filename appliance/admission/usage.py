@@ -16,7 +16,9 @@ least it is known to have cost: its prompt (the gate's exact count where it coun
 an estimate from the body's bytes; the worker's own count where a stream reported it) plus the
 tokens generated until then (the stream's events, or the worker's running count). A
 non-streamed request left before its answer has no such count: vLLM reports nothing for an
-aborted request, so it is charged its prompt. A request the worker refused costs nothing.
+aborted request, so it is charged its prompt. A request the worker refused costs nothing; a
+stream resumed after an engine fault whose continuation the next worker refused (or that
+failed) still cost what the lost worker generated before the seam, and is charged that.
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ class Meter:
             self._prompt_estimate = prompt_tokens
 
     def refused(self) -> None:
-        """The worker refused the request: the engine generated nothing for it."""
-        self._sent = False
+        """The worker refused the request: the engine generated nothing for it in this exchange.
+        Where an earlier one had generated (a stream's continuation refused), that stays
+        charged."""
+        if not (self.events or self._completion):
+            self._sent = False
 
     def tokens(self) -> int:
         """Prompt + completion as reported for a whole answer; for an answer cut short (or

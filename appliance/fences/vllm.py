@@ -240,9 +240,12 @@ ANTHROPIC_REFUSAL = StreamEnding(_ANTHROPIC_REFUSED_MARK, _anthropic_refusal)
 TOKEN_EVENT_END = b"]}\n\n"
 # The stateless routes that render a body's prompt exactly as generating it would, with the
 # sampling parameters it resolves (vllm/entrypoints/scale_out/render/): a Responses or
-# Anthropic stream is continued from them.
+# Anthropic stream is continued from them; a chat or completions stream sent without a budget
+# takes the budget its request resolved to from them.
 RESPONSES_RENDER = "/v1/responses/render"
 MESSAGES_RENDER = "/v1/messages/render"
+CHAT_RENDER = "/v1/chat/completions/render"
+COMPLETIONS_RENDER = "/v1/completions/render"  # a list: one rendering per prompt
 
 
 class TokenIds:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgspec
+import structlog
 
+from appliance.apis.shape import upstream_error
 from appliance.fences.vllm import TokenIds
 from appliance.sse import END as _END
 from appliance.sse import END_SIZE as _END_SIZE
@@ -47,6 +49,9 @@ def _key(name: str) -> bytes:
 
 _PROMPT_KEY = _key(TokenIds.PROMPT)
 _GENERATED_KEY = _key(TokenIds.GENERATED)
+
+log = structlog.get_logger("appliance.recovery")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,27 @@ def asks_any(body: Mapping[str, Any], fields: frozenset[str]) -> bool:
 
 # A JSON request to the worker now serving (route, payload): its status and body.
 WorkerCall = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
+
+
+async def ask(worker: WorkerCall, path: str, payload: dict[str, Any], answer: type[_T]) -> _T:
+    """The new worker's answer to what a record asks to prepare its continuation; its refusal
+    as the worker's error (the stream ends with it)."""
+    status, content = await worker(path, payload)
+    if status != 200:
+        log.warning("recovery.continuation_refused", path=path, status=status)
+        raise upstream_error(status, content)
+    return msgspec.json.decode(content, type=answer)
+
+
+def remaining(budget: int, min_tokens: object, generated: int) -> dict[str, int]:
+    """A continuation's budget after `generated` tokens: what is left of the request's (at least
+    one), and its `min_tokens` less what was generated, never above what is left (the worker
+    refuses a minimum above the maximum)."""
+    left = max(1, budget - generated)
+    fields = {"max_tokens": left}
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > generated:
+        fields["min_tokens"] = min(min_tokens - generated, left)
+    return fields
 
 
 class Record:

@@ -25,17 +25,13 @@ event, and the protocol's head (for Responses, the response object of its first 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import msgspec
-import structlog
 
-from appliance.apis.shape import upstream_error
-from appliance.recovery.stream import Continuation, Record, WorkerCall
+from appliance.recovery.stream import Continuation, Record, WorkerCall, ask, remaining
 from appliance.sse import END as _END
 from appliance.sse import Events
-
-log = structlog.get_logger("appliance.recovery")
 
 _EVENT = b"event: "
 _DATA = b"data: "
@@ -50,9 +46,6 @@ _SAMPLING_DEFAULTS = {
 # The other sampling parameters a render resolves, carried as it gives them.
 _CARRIED = ("seed", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens",
             "spaces_between_special_tokens", "allowed_token_ids", "bad_words")
-
-
-_T = TypeVar("_T")
 
 
 class _Rendered(msgspec.Struct):
@@ -131,13 +124,13 @@ class TextRecord(Record):
     async def prepare(self, worker: WorkerCall) -> None:
         """The prompt's ids and sampling parameters as the new worker renders the body, and the
         ids of the text sent: the continuation's request."""
-        rendered = await _ask(worker, self.render_path, dict(self._payload), _Rendered)
+        rendered = await ask(worker, self.render_path, dict(self._payload), _Rendered)
         text, sent = self.text, []
         if text:
             tokenize: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
             if "model" in self._payload:
                 tokenize["model"] = self._payload["model"]
-            sent = (await _ask(worker, _TOKENIZE, tokenize, _Tokenized)).tokens
+            sent = (await ask(worker, _TOKENIZE, tokenize, _Tokenized)).tokens
         self.input_tokens, self.output_tokens = len(rendered.token_ids), len(sent)
         self._body = self._continued_body(rendered.token_ids + sent, rendered.sampling_params,
                                           len(sent))
@@ -149,10 +142,9 @@ class TextRecord(Record):
         body["prompt"] = prompt
         body |= {k: params.get(k, default) for k, default in _SAMPLING_DEFAULTS.items()}
         body |= {k: params[k] for k in _CARRIED if params.get(k) not in (None, [])}
-        min_tokens = params.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > sent:
-            body["min_tokens"] = min_tokens - sent
-        body["max_tokens"] = max(1, int(params["max_tokens"]) - sent)
+        # The render resolved the budget as generating did (the client's, or the room the
+        # window leaves), so a continuation never falls back to the completions route's 16.
+        body |= remaining(int(params["max_tokens"]), params.get("min_tokens"), sent)
         body["stream"] = True
         body["return_token_ids"] = True  # to count the output
         return body
@@ -209,10 +201,3 @@ class TextRecord(Record):
         """The protocol's events that end the stream, with the whole text and usage."""
         raise NotImplementedError
 
-
-async def _ask(worker: WorkerCall, path: str, payload: dict[str, Any], answer: type[_T]) -> _T:
-    status, content = await worker(path, payload)
-    if status != 200:
-        log.warning("recovery.continuation_refused", path=path, status=status)
-        raise upstream_error(status, content)
-    return msgspec.json.decode(content, type=answer)

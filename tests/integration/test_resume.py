@@ -26,7 +26,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance
+from tests.integration.harness import (
+    Appliance,
+    as_client,
+    chat_as,
+    running_appliance,
+    running_with_clients,
+)
 
 STORY = [{"role": "user", "content": "Write a story about a lighthouse keeper and a storm."}]
 PROMPT = "The lighthouse keeper climbed the stairs and"
@@ -64,11 +70,13 @@ def freeze_engine_core(appliance: Appliance) -> None:
 
 
 def read_stream(appliance: Appliance, path: str, body: dict[str, Any], events: list[Event | str],
-                fault: Callable[[], None] | None = None, after: int = 0) -> int:
+                fault: Callable[[], None] | None = None, after: int = 0,
+                headers: dict[str, str] | None = None) -> int:
     """The stream's data lines, decoded, into `events`; `fault` strikes once `after` of them
     carried text. Returns the status."""
     struck = fault is None
-    with httpx.stream("POST", f"{appliance.url}{path}", json=body, timeout=300) as response:
+    with httpx.stream("POST", f"{appliance.url}{path}", json=body, timeout=300,
+                      headers=headers) as response:
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -96,17 +104,18 @@ def text_of(event: Event | str) -> str:
 
 
 def faulted_and_plain(appliance: Appliance, path: str, body: dict[str, Any],
-                      fault: Callable[[], None]) -> tuple[list[Event | str], list[Event | str]]:
+                      fault: Callable[[], None], headers: dict[str, str] | None = None
+                      ) -> tuple[list[Event | str], list[Event | str]]:
     """The same greedy stream twice: with a fault after 10 events with text, then without."""
     old = appliance.worker_pid()
     faulted: list[Event | str] = []
-    assert read_stream(appliance, path, body, faulted, fault, after=10) == 200
+    assert read_stream(appliance, path, body, faulted, fault, after=10, headers=headers) == 200
     events = [(e.get("event"), e.get("cause") or e.get("how") or e.get("error"))
               for e in appliance.log_events()
               if str(e.get("event")).startswith(("engine.", "request.engine", "request.out"))]
     assert appliance.wait_ready()["pid"] != old, (faulted[-3:], events[-8:])
     plain: list[Event | str] = []
-    assert read_stream(appliance, path, body, plain) == 200
+    assert read_stream(appliance, path, body, plain, headers=headers) == 200
     return faulted, plain
 
 
@@ -251,3 +260,52 @@ def test_a_messages_stream_outlives_its_engine_core(appliance: Appliance, model:
     assert not [e for e in faulted if isinstance(e, dict) and e.get("type") == "error"]
     assert "".join(map(text_of, faulted)) == "".join(map(text_of, plain))
     assert normalized(faulted, {}) == normalized(plain, {})
+
+
+# --- a resumed stream keeps its request's terms ---------------------------------------------
+# vLLM's completions route, where every continuation goes, takes 16 tokens when given no
+# budget. A chat request sent without one (and no policy.default_max_tokens) has the room its
+# prompt leaves in the window: a short window keeps that room, and these runs, short.
+SHORT_WINDOW = 256
+TERMS_CLIENTS: list[dict[str, object]] = [
+    {"name": "plain", "key": "sk-plain"},
+    # Above the prompt of STORY (41 tokens): a stream it is charged for past this used more.
+    {"name": "metered", "key": "sk-metered", "tokens_per_minute": 50},
+]
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    with running_with_clients(Path(tmp_path_factory.mktemp("terms")), TERMS_CLIENTS,
+                              supervisor__crash_loop_restarts="100",
+                              engine__max_model_len=str(SHORT_WINDOW)) as running:
+        yield running
+
+
+def test_a_chat_stream_sent_without_a_budget_goes_on_to_the_end_of_its_room(
+        short: Appliance) -> None:
+    """The continuation carries what is left of the room, not the completions route's 16."""
+    body = {"messages": STORY, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    faulted, plain = faulted_and_plain(short, "/v1/chat/completions", body,
+                                       lambda: kill_server(short), headers=as_client("plain"))
+    assert len(token_ids(plain)) > 10 + 16 + 30  # far past the seam and its 16
+    assert_seamless(faulted, plain)
+
+
+def test_a_metered_stream_killed_mid_way_is_charged_what_it_generated(short: Appliance) -> None:
+    """min_tokens above 16 and no budget: a continuation sent with neither its budget nor its
+    minimum less what came is refused by the worker, and the request used to go uncharged."""
+    body = {"messages": STORY, "min_tokens": 120, "temperature": 0, "stream": True}
+    old = short.worker_pid()
+    events: list[Event | str] = []
+    assert read_stream(short, "/v1/chat/completions", body, events, lambda: kill_server(short),
+                       after=30, headers=as_client("metered")) == 200
+    assert short.wait_ready()["pid"] != old
+    # The prompt and at least the 30 tokens before the seam, past its 50 tokens a minute: its
+    # next request waits for the refill (whether or not the continuation went through).
+    after = chat_as(short, "metered", {"messages": STORY, "max_tokens": 1})
+    assert after.status_code == 429, after.text
+    assert after.json()["error"]["code"] == "client_tokens_per_minute"
+    assert not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+    assert len("".join(map(text_of, events))) > 0 and events[-1] == "[DONE]"

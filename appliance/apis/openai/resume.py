@@ -15,14 +15,25 @@ With sampling, the continuation draws from a fresh random state (a seed restarts
 stream is a valid sample of the same request, not the uninterrupted run's; presence and
 frequency penalties count the tokens before the seam as prompt. Greedy decoding is the same
 either way, byte for byte.
+
+The continuation carries what is left of the budget the request resolved to, and its
+`min_tokens` less what was generated (never above what is left). A request sent without a
+budget (and no `policy.default_max_tokens` put one in) had the worker's own: the room its
+prompt left in the window for chat, 16 for completions. The completions route a continuation
+goes to would take its own 16 again, so the new worker renders the body once (its render route
+resolves the budget as generating did) and the continuation carries the rest of that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from appliance.recovery.stream import StreamRecord, asks_any, sse
+import msgspec
+
+from appliance.fences.vllm import CHAT_RENDER, COMPLETIONS_RENDER
+from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
+from appliance.recovery.stream import StreamRecord, WorkerCall, ask, asks_any, remaining, sse
 
 # The sampling fields a continuation carries over as they are: each means the same to a
 # completions request as to the chat or completions request it continues.
@@ -54,20 +65,42 @@ def plain_stream(body: Mapping[str, Any]) -> bool:
     return not (isinstance(options, dict) and options.get("continuous_usage_stats"))
 
 
+class _Rendered(msgspec.Struct):
+    sampling_params: dict[str, Any]
+
+
 class _Continued(StreamRecord):
     """What chat and completions continuations share: the request for the rest."""
 
-    budget_field: str
+    budget_fields: ClassVar[tuple[str, ...]]  # the worker obeys the first one given
+    render_path: ClassVar[str]  # where the worker resolves a body's budget without generating
+    _budget: int | None = None  # the budget the request resolved to, once prepared
+
+    def given_budget(self) -> int | None:
+        """The budget in the body as forwarded (the client's, the gate's default, clamped)."""
+        for name in self.budget_fields:
+            value = self._payload.get(name)
+            if value is not None:
+                return value if isinstance(value, int) else None
+        return None
+
+    async def prepare(self, worker: WorkerCall) -> None:
+        """The budget the request resolved to: the body's, else as the new worker renders it
+        (once: a second fault continues from the same one)."""
+        if self._budget is None:
+            self._budget = self.given_budget()
+        if self._budget is None:
+            rendered = await ask(worker, self.render_path, dict(self._payload),
+                                 _Rendered | list[_Rendered])  # type: ignore[arg-type]
+            first = rendered[0] if isinstance(rendered, list) else rendered
+            self._budget = int(first.sampling_params["max_tokens"])
 
     def continued_fields(self, generated: int) -> dict[str, Any]:
         payload = self._payload
         fields: dict[str, Any] = {k: payload[k] for k in _CARRIED if k in payload}
-        budget = payload.get(self.budget_field)
-        if isinstance(budget, int):
-            fields["max_tokens"] = max(1, budget - generated)
-        min_tokens = payload.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > generated:
-            fields["min_tokens"] = min_tokens - generated
+        budget = self._budget if self._budget is not None else self.given_budget()
+        assert budget is not None, "prepare() resolves the budget before the continuation"
+        fields |= remaining(budget, payload.get("min_tokens"), generated)
         fields["stream"] = True
         fields["stream_options"] = {"include_usage": self.usage_asked()}
         fields["return_token_ids"] = True  # a second fault continues from the new ids too
@@ -101,13 +134,9 @@ class ChatRecord(_Continued):
     """A chat stream: its first event holds the prompt's ids at the top; a content event with
     nothing to say (`"delta":{}`) carries the ids of a character not complete yet."""
 
-    budget_field = "max_completion_tokens"
+    budget_fields = CHAT_BUDGET
+    render_path = CHAT_RENDER
     event_object = "chat.completion.chunk"
-
-    def __init__(self, payload: Mapping[str, Any], ids_visible: bool) -> None:
-        super().__init__(payload, ids_visible)
-        if "max_completion_tokens" not in payload:
-            self.budget_field = "max_tokens"
 
     no_text = b'"delta":{}'
 
@@ -136,7 +165,8 @@ class ChatRecord(_Continued):
 class CompletionRecord(_Continued):
     """A completions stream: its first choice holds the prompt's ids."""
 
-    budget_field = "max_tokens"
+    budget_fields = COMPLETION_BUDGET
+    render_path = COMPLETIONS_RENDER
     event_object = "text_completion"
 
     no_text = b'"text":""'

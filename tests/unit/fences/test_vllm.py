@@ -236,10 +236,13 @@ def test_an_anthropic_stream_tells_of_its_dead_engine_core_in_the_words_recovery
                  "ANTHROPIC_ENGINE_DEAD", said)
 
 
-def test_responses_and_messages_bodies_render_as_generating_them_would() -> None:
-    """What a resumed Responses or Anthropic stream continues from (appliance/recovery/text.py)."""
+def test_generation_bodies_render_as_generating_them_would() -> None:
+    """What a resumed Responses or Anthropic stream continues from (appliance/recovery/text.py),
+    and where a chat or completions stream without a budget finds the one it resolved to
+    (appliance/apis/openai/resume.py)."""
     routes = engine_sources("vllm/entrypoints/scale_out/render/api_router.py")
-    for path in (vllm.RESPONSES_RENDER, vllm.MESSAGES_RENDER):
+    for path in (vllm.RESPONSES_RENDER, vllm.MESSAGES_RENDER, vllm.CHAT_RENDER,
+                 vllm.COMPLETIONS_RENDER):
         VLLM.require(f'"{path}"' in routes, f"vLLM's render router serves {path}")
 
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
-from appliance.recovery.stream import KEPT_BYTES
+from appliance.errors import UpstreamError
+from appliance.recovery.stream import KEPT_BYTES, remaining
+from tests.unit.appliance.recovery.test_text import GREEDY, Worker
+
+pytestmark = pytest.mark.anyio
 
 HEAD = b'"id":"chatcmpl-a9","object":"chat.completion.chunk","created":17,"model":"m"'
 ROLE_IDS = (b'data: {' + HEAD + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
@@ -276,3 +282,70 @@ def _without_prompt_ids(event: bytes) -> bytes:
     data = json.loads(event.removeprefix(b"data: "))
     data["choices"][0]["prompt_token_ids"] = None
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+# --- the budget a continuation carries -----------------------------------------------------------
+# vLLM's completions route, where every continuation goes, takes 16 tokens when it is given no
+# budget: a continuation carries what is left of the budget its request resolved to.
+
+NO_BUDGET = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+
+
+async def test_a_chat_stream_sent_without_a_budget_continues_with_the_rest_of_its_room() -> None:
+    """The worker resolved the budget (the room the prompt left) when it generated: the new
+    one renders the body as it was sent and the continuation carries what is left of it."""
+    record = ChatRecord(NO_BUDGET, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556") + content(" there", b"665"))
+    worker = Worker([1, 9690, 198], GREEDY | {"max_tokens": 2045}, tokens=[])
+    await record.prepare(worker)
+    assert worker.asked == [("/v1/chat/completions/render", NO_BUDGET)]
+    body = json.loads(record.continuation().body or b"")
+    assert body["max_tokens"] == 2043 and "min_tokens" not in body
+    record.take(completion_event(" you", [346], prompt=[1, 9690, 198, 19556, 665]))
+    await record.prepare(worker)  # a second fault: the budget is the same, not rendered again
+    assert len(worker.asked) == 1
+    assert json.loads(record.continuation().body or b"")["max_tokens"] == 2042
+
+
+async def test_a_completions_stream_without_a_budget_continues_with_the_rest_of_its_16() -> None:
+    body = {"prompt": "Once upon", "stream": True, "return_token_ids": True}
+    record = CompletionRecord(body, ids_visible=False)
+    record.take(completion_event(" a", [264], prompt=[6403, 1980]) + completion_event(" time", [892]))
+    worker = Worker([6403, 1980], GREEDY | {"max_tokens": 16}, tokens=[])
+    await record.prepare(worker)  # vLLM answers this route with a list, one per prompt
+    assert worker.asked == [("/v1/completions/render", body)]
+    assert json.loads(record.continuation().body or b"")["max_tokens"] == 14
+
+
+async def test_a_budget_in_the_body_is_the_one_continued_and_no_render_is_asked() -> None:
+    """The client's, the gate's configured default or its clamp: the first field vLLM obeys."""
+    for budget, expected in (({"max_tokens": 10}, 8),
+                             ({"max_completion_tokens": 12, "max_tokens": 10}, 10),
+                             ({"max_completion_tokens": None, "max_tokens": 10}, 8)):
+        record = ChatRecord(NO_BUDGET | budget, ids_visible=False)
+        record.take(ROLE_IDS + content("Hello", b"19556") + content(" there", b"665"))
+        worker = Worker([], GREEDY, tokens=[])
+        await record.prepare(worker)
+        assert worker.asked == []
+        assert json.loads(record.continuation().body or b"")["max_tokens"] == expected, budget
+
+
+async def test_min_tokens_counts_what_was_generated_within_the_rest_of_the_budget() -> None:
+    """A minimum the worker would refuse next to the budget's default (finding: `min_tokens must
+    be less than or equal to max_tokens=16`) is now less what came, under what is left."""
+    record = ChatRecord(NO_BUDGET | {"min_tokens": 120}, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556") + content(" there", b"665"))
+    await record.prepare(Worker([1, 9690, 198], GREEDY | {"max_tokens": 300}, tokens=[]))
+    body = json.loads(record.continuation().body or b"")
+    assert (body["max_tokens"], body["min_tokens"]) == (298, 118)
+    assert remaining(10, 30, 4) == {"max_tokens": 6, "min_tokens": 6}  # never above the rest
+    assert remaining(10, 3, 4) == {"max_tokens": 6}  # met already: none
+    assert remaining(10, None, 12) == {"max_tokens": 1}
+
+
+async def test_a_refused_render_is_the_workers_error() -> None:
+    record = ChatRecord(NO_BUDGET, ids_visible=False)
+    record.take(ROLE_IDS + content("Hello", b"19556"))
+    with pytest.raises(UpstreamError) as refused:
+        await record.prepare(Worker([], GREEDY, tokens=[], status=400))
+    assert refused.value.status == 400

@@ -45,7 +45,10 @@ class Worker:
             return self.status, b'{"error": {"message": "no", "code": 400}}'
         if path == "/tokenize":
             return 200, json.dumps({"count": len(self.tokens), "tokens": self.tokens}).encode()
-        return 200, json.dumps({"token_ids": self.prompt, "sampling_params": self.params}).encode()
+        rendered = {"token_ids": self.prompt, "sampling_params": self.params}
+        if path == "/v1/completions/render":  # one rendering per prompt
+            return 200, json.dumps([rendered]).encode()
+        return 200, json.dumps(rendered).encode()
 
 
 def completion(text: str, ids: list[int], finish: str | None = None) -> bytes:
