@@ -293,9 +293,11 @@ def test_the_installed_unit_under_systemd(tmp_path: Path, artefacts: Path) -> No
     port, engine_port = free_port(), free_port()
     with booted_systemd(tmp_path, port, engine_port) as ns:
         try:
-            _serve_as_root(ns, port, engine_port)
+            listening = _serve_as_root(ns, port, engine_port)
             with _installed_client(ns, port, tmp_path) as client:
                 _exercise(ns, client, port)
+            # Checked last, so that on a code that does write there the reload's failure shows.
+            assert "/var/lib/chat-appliance" not in listening, listening
         finally:
             for name in ("install.log", "service.log", "namespace.log", "root-serve.log"):
                 if (tmp_path / name).exists():
@@ -303,9 +305,9 @@ def test_the_installed_unit_under_systemd(tmp_path: Path, artefacts: Path) -> No
             (artefacts / "timings.json").write_text(json.dumps(ns.timings, indent=2))
 
 
-def _serve_as_root(ns: Namespaced, port: int, engine_port: int) -> None:
+def _serve_as_root(ns: Namespaced, port: int, engine_port: int) -> str:
     """The operator debugging after the install: the installed `serve`, as root, on the
-    service's port. Its control socket is in a directory of root's own, not in the state."""
+    service's port. Its log line saying where its control socket listens."""
     settings = ["CHAT_APPLIANCE_SERVER__HOST=127.0.0.1", f"CHAT_APPLIANCE_SERVER__PORT={port}",
                 f"CHAT_APPLIANCE_ENGINE__PORT={engine_port}",
                 'CHAT_APPLIANCE_ENGINE__COMMAND=["sleep", "600"]']
@@ -313,8 +315,7 @@ def _serve_as_root(ns: Namespaced, port: int, engine_port: int) -> None:
                     INSTALLED, "serve")
     log = (ns.work / "root-serve.log").read_text()
     assert result.returncode == 0 and "control.listening" in log, f"{result.stderr}\n{log}"
-    listening = next(line for line in log.splitlines() if "control.listening" in line)
-    assert "/var/lib/chat-appliance" not in listening, listening
+    return next(line for line in log.splitlines() if "control.listening" in line)
 
 
 def _state_left_to_others(ns: Namespaced) -> list[str]:
