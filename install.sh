@@ -344,10 +344,23 @@ ensure_state_dir() {
     local dir="$PREFIX/var/lib/chat-appliance"
     if [[ -d "$dir" && "$(stat -c '%U:%G %a' -- "$dir")" == "$SERVICE_USER:$SERVICE_USER 750" ]]; then
         step "state directory ($dir): already present"
-        return 0
+    else
+        step "state directory ($dir): creating, or giving it to $SERVICE_USER"
+        install -d -o "$SERVICE_USER" -g "$SERVICE_USER" -m 0750 -- "$dir"
     fi
-    step "state directory ($dir): creating"
-    install -d -o "$SERVICE_USER" -g "$SERVICE_USER" -m 0750 -- "$dir"
+    give_back_state "$dir" "$SERVICE_USER"
+}
+
+# Everything in the state directory but the model is the service user's: a run as another
+# user leaves what the service cannot enter or write (a `serve` as root once made run/ there,
+# 0700, and the service could no longer make its control socket).
+give_back_state() {
+    local dir="$1" user="$2" foreign
+    foreign="$(find "$dir" -mindepth 1 -path "$dir/models" -prune -o ! -user "$user" -print)"
+    [[ -n "$foreign" ]] || return 0
+    find "$dir" -mindepth 1 -path "$dir/models" -prune -o ! -user "$user" \
+        -exec chown -h -- "$user:" {} +
+    note "given back to $user (another user's): $(head -n 5 <<<"$foreign" | tr '\n' ' ')"
 }
 
 # What the appliance venv was installed from: in development an editable install follows

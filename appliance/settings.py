@@ -30,8 +30,9 @@ ENV_PREFIX = "CHAT_APPLIANCE_"
 CONFIG_ENV = "CHAT_APPLIANCE_CONFIG"
 SYSTEM_CONFIG = Path("/etc/chat-appliance/config.toml")
 SYSTEM_ROOT = Path("/opt/chat-appliance")
-SYSTEM_MODELS = Path("/var/lib/chat-appliance/models")
-SYSTEM_RUN = Path("/var/lib/chat-appliance/run")
+SYSTEM_STATE = Path("/var/lib/chat-appliance")  # the service user's (the unit's ReadWritePaths)
+SYSTEM_MODELS = SYSTEM_STATE / "models"
+SYSTEM_RUNTIME = Path("/run/chat-appliance")  # the unit's RuntimeDirectory=
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 CHECKOUT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,10 +56,19 @@ def default_model() -> str:
 
 
 def default_run_dir() -> Path:
-    """Where the supervisor keeps its private sockets: the checkout's .run in development, the
-    state directory's run/ on a system install (the service user's own, inside the unit's
-    ReadWritePaths)."""
-    return CHECKOUT_ROOT / ".run" if _is_checkout() else SYSTEM_RUN
+    """Where the supervisor keeps its control socket: under systemd, the directory the unit's
+    RuntimeDirectory= makes afresh for the service user at every start; else the checkout's
+    .run, else this user's own. Never the system install's state: a root run left a directory
+    there that the service could not enter."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return Path(runtime)
+    if _is_checkout():
+        return CHECKOUT_ROOT / ".run"
+    user_runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if user_runtime:
+        return Path(user_runtime) / "chat-appliance"
+    return Path(tempfile.gettempdir()) / f"chat-appliance-{os.geteuid()}"
 
 
 def gpu_present() -> bool:
@@ -108,7 +118,7 @@ class ServerSettings(_Group):
     tls_keyfile: Path | None = None
     # A TLS handshake not done by then is dropped (asyncio's own default: 60 s).
     tls_handshake_timeout_s: float = Field(5.0, gt=0)
-    # The operator's socket (reload); None: <run dir>/control-<port>.sock.
+    # The operator's socket (reload); None: control-<port>.sock in default_run_dir().
     control_socket: Path | None = None
     # Host names (or addresses) answered besides the machine's own (appliance.hosts): a
     # fleet's name, a NAT's address. "*": any Host (behind a router that rewrites it).
@@ -138,6 +148,15 @@ class ServerSettings(_Group):
     def resolved_control_socket(self) -> Path:
         """One socket per port, so that several appliances of one checkout do not collide."""
         return self.control_socket or default_run_dir() / f"control-{self.port}.sock"
+
+    def control_socket_candidates(self) -> list[Path]:
+        """Where `chat-appliance reload` asks, in order: this process's own place, then, for an
+        installed appliance, the service's (an operator's shell has no $RUNTIME_DIRECTORY)."""
+        own = self.resolved_control_socket()
+        if self.control_socket is not None or _is_checkout():
+            return [own]
+        service = SYSTEM_RUNTIME / own.name
+        return [own] if own == service else [own, service]
 
 
 class EngineSettings(_Group):

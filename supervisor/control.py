@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -29,8 +30,18 @@ log = structlog.get_logger("supervisor.control")
 
 # One JSON object answers each command; a ControlRefused says why the action did not happen.
 Action = Callable[[], dict[str, Any]]
+PeerUid = Callable[[socket.socket | None], int | None]
 COMMAND_LIMIT = 256  # bytes of one command line
 READ_TIMEOUT_S = 5.0
+
+
+def peer_uid(sock: socket.socket | None) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    if sock is None:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
 
 
 class ControlRefused(Exception):
@@ -42,14 +53,15 @@ class ControlRefused(Exception):
 
 
 @contextlib.asynccontextmanager
-async def control_socket(path: Path, actions: Mapping[str, Action]) -> AsyncIterator[bool]:
+async def control_socket(path: Path, actions: Mapping[str, Action],
+                         peer: PeerUid = peer_uid) -> AsyncIterator[bool]:
     """Serve `actions` on `path` while the block runs; yields False (and logs why) when the
     socket cannot be made, so that the appliance still serves (SIGHUP still reloads)."""
     try:
         _private_directory(path.parent)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a previous run's, or a crashed one's: this port is ours now
-        server = await asyncio.start_unix_server(lambda r, w: _serve_one(r, w, actions),
+        server = await asyncio.start_unix_server(lambda r, w: _serve_one(r, w, actions, peer),
                                                  path=str(path), limit=COMMAND_LIMIT)
         os.chmod(path, 0o600)
     except OSError as exc:
@@ -69,15 +81,16 @@ async def control_socket(path: Path, actions: Mapping[str, Action]) -> AsyncIter
 def _private_directory(directory: Path) -> None:
     """The socket's directory: ours, and entered by nobody else."""
     private_dir(directory)
-    if directory.stat().st_uid != os.geteuid():
-        raise PermissionError(f"{directory} belongs to another user")
+    found = directory.lstat()  # a link planted in /tmp is not ours, whatever it points at
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.geteuid():
+        raise PermissionError(f"{directory} belongs to another user or is not a directory")
     os.chmod(directory, 0o700)
 
 
 async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     actions: Mapping[str, Action]) -> None:
+                     actions: Mapping[str, Action], peer: PeerUid) -> None:
     try:
-        uid = peer_uid(writer.get_extra_info("socket"))
+        uid = peer(writer.get_extra_info("socket"))
         if uid not in (os.geteuid(), 0):
             log.warning("control.refused_peer", uid=uid)
             return
@@ -103,15 +116,6 @@ def _run(command: str, actions: Mapping[str, Action]) -> dict[str, Any]:
         return {"ok": True} | action()
     except ControlRefused as exc:
         return {"ok": False, "code": exc.code, "error": str(exc)}
-
-
-def peer_uid(sock: socket.socket | None) -> int | None:
-    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
-    if sock is None:
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
 
 
 def ask(path: Path, command: str, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -210,6 +210,9 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await manager_task
     watchdog.cancel()
+    # systemd keeps the watchdog armed while the unit stops: the rest of the stop (the clients'
+    # close, the template's exit) must not read as a frozen loop. TimeoutStopSec bounds it.
+    stopping = asyncio.create_task(_keep_alive(notifier))
     server.stop()
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
@@ -218,6 +221,7 @@ async def serve(settings: Settings) -> int:
     await launcher.aclose()
     if gpu is not None:
         await gpu.aclose()
+    stopping.cancel()
     log.info("supervisor.stopped", restarts=manager.restarts)
     return EXIT_FAILURE if failed else EXIT_OK
 
@@ -303,6 +307,14 @@ async def _watchdog(notifier: Notifier, manager: EngineManager,
             notifier.watchdog()
         else:
             log.error("supervisor.manager_stuck", since_s=round(time.monotonic() - manager.last_tick))
+        await asyncio.sleep(interval)
+
+
+async def _keep_alive(notifier: Notifier) -> None:
+    """WATCHDOG=1 for as long as the loop turns, whatever else happens (the stop's last steps)."""
+    interval = notifier.watchdog_interval_s()
+    while interval is not None:
+        notifier.watchdog()
         await asyncio.sleep(interval)
 
 

@@ -1,7 +1,7 @@
 """`chat-appliance doctor`: this box against everything the configured engine needs.
 
-One module per family of checks (driver, kernel, toolchain, resources, access), each check a
-function of a `Box` (the machine, faked in the tests) and the settings that returns one
+One module per family of checks (driver, kernel, toolchain, resources, access, state), each
+check a function of a `Box` (the machine, faked in the tests) and the settings that returns one
 `Finding`: ok, skip, warning or blocker, with the fix in one line. `serve` runs the fast ones
 at start and refuses to start on a blocker a restart cannot cure.
 """
@@ -19,6 +19,7 @@ from supervisor.doctor.driver import check_driver
 from supervisor.doctor.kernel import check_device_nodes, check_uvm
 from supervisor.doctor.report import Finding, Level, blocker, ok
 from supervisor.doctor.resources import check_disk, check_gpu_memory, check_ports
+from supervisor.doctor.state import check_state_dir
 from supervisor.doctor.toolchain import check_compiler
 
 log = structlog.get_logger("supervisor.doctor")
@@ -65,12 +66,12 @@ def all_checks(box: Box | None = None, user: str | None = None,
         return [blocker("config", str(exc), "fix the file; chat-appliance check-config says the same")]
     source = config_path()
     findings = [ok("config", f"valid ({source or 'built-in defaults'})")]
+    account = service_account(box, user)
     findings += [check_driver(box, settings.engine), check_uvm(box, settings.engine),
                  check_device_nodes(box, settings.engine), check_compiler(box, settings.engine),
                  check_gpu_memory(box, settings), check_disk(box, settings),
-                 check_access(box, settings, service_account(box, user),
-                              missing_ok=before_install),
-                 check_ports(box, settings)]
+                 check_access(box, settings, account, missing_ok=before_install),
+                 check_state_dir(box, account), check_ports(box, settings)]
     return findings
 
 

@@ -93,6 +93,9 @@ class Box:
     def stat(self, path: Path) -> os.stat_result:
         return self.path(path).stat()
 
+    def lstat(self, path: Path) -> os.stat_result:
+        return self.path(path).lstat()
+
     def account(self, name: str | None) -> Account | None:
         """The named user, or the one running this (None)."""
         try:

@@ -6,6 +6,12 @@ land in overlays that vanish with them), then systemd boots a target of this tes
 set, a chat is answered, the worker runs as the service user, reload works, a SIGSTOPped
 supervisor is killed by the watchdog and restarted, stop drains and leaves nothing behind.
 
+The box is one an operator has debugged on (issue 37): a `serve` as root once left
+/var/lib/chat-appliance/run (root, 0700) in the state directory before the install, and after
+the install the operator runs the installed `serve` as root again. `systemctl reload` must
+still reach the service's control socket, which lives in the unit's RuntimeDirectory, and an
+operator's `chat-appliance reload` from a root shell too.
+
 What must never happen, and how it is prevented (each measured in this project):
 - A namespaced systemd that reaches sysinit.target runs `systemd-tmpfiles --remove`, which would
   empty the host's /tmp. /tmp, /var/tmp and /run are private tmpfs mounted before systemd is
@@ -15,9 +21,10 @@ What must never happen, and how it is prevented (each measured in this project):
   outside; the namespace ends with SIGKILL of its init from outside, never `poweroff`.
 
 Test-only differences from a real install, in a drop-in: the API on loopback at a free port,
-the service's output to a file (no journald runs), and ProtectHome=read-only, because this
+the service's output to a file (no journald runs), ProtectHome=read-only, because this
 machine's cached interpreter and engine venv (reused, not rebuilt) live under /root, which a
-0755 tmpfs with only those bound in replaces inside the namespaces.
+0755 tmpfs with only those bound in replaces inside the namespaces, and a short watchdog and
+restart delay, so that the frozen supervisor's restart does not wait out the unit's 30 s.
 """
 
 from __future__ import annotations
@@ -49,6 +56,24 @@ UNIT = "chat-appliance.service"
 SERVICE_USER = "chat-appliance"
 INSTALL_TIMEOUT_S = 600
 READY_TIMEOUT_S = 240
+WATCHDOG_S = 6  # the drop-in's WatchdogSec: the supervisor pings every 3 s
+INSTALLED = "/opt/chat-appliance/venv/bin/chat-appliance"
+# An operator's root shell: none of the unit's environment ($RUNTIME_DIRECTORY), none of pytest's.
+ROOT_SHELL = ("env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root")
+
+# The installed `serve`, as root, by hand, with a stand-in worker (its control socket is the
+# point, not the engine); stopped with SIGTERM inside the namespaces once it listens there.
+ROOT_SERVE = r"""
+"$@" >/mnt/root-serve.log 2>&1 &
+pid=$!
+for _ in $(seq 240); do
+    grep -q control.listening /mnt/root-serve.log && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.25
+done
+kill -TERM "$pid" 2>/dev/null
+wait "$pid"
+"""
 
 # Runs as the namespaces' first process; $CA_* come from the test. Order matters: nothing
 # before the three private tmpfs may start anything that cleans.
@@ -81,6 +106,9 @@ if [ -n "$CA_ROOT_BINDS" ]; then
         mount -o remount,bind,ro "$path"
     done
 fi
+# What a `serve` as root left before the control socket moved to the RuntimeDirectory: its
+# socket's directory in the state directory, made as Path.mkdir(0o700, parents=True) makes it.
+(umask 022; mkdir -p /var/lib/chat-appliance && mkdir -m 0700 /var/lib/chat-appliance/run)
 cd /mnt/checkout
 bash install.sh --system >/mnt/install.log 2>&1 ||
     { echo "install.sh failed: $?" >>/mnt/install.log; exit 1; }
@@ -92,6 +120,8 @@ DefaultDependencies=no
 Environment=CHAT_APPLIANCE_SERVER__HOST=127.0.0.1 CHAT_APPLIANCE_SERVER__PORT=$CA_PORT
 Environment=CHAT_APPLIANCE_ENGINE__PORT=$CA_ENGINE_PORT CHAT_APPLIANCE_ENGINE__MAX_MODEL_LEN=2048
 ProtectHome=read-only
+WatchdogSec=$CA_WATCHDOG_S
+RestartSec=1
 StandardOutput=append:/mnt/service.log
 StandardError=inherit
 EOF
@@ -127,7 +157,7 @@ class Namespaced:
 
     def logs(self) -> str:
         texts = []
-        for name in ("install.log", "service.log"):
+        for name in ("install.log", "service.log", "root-serve.log"):
             path = self.work / name
             if path.exists():
                 texts.append(f"--- {name} (tail)\n" + "\n".join(path.read_text().splitlines()[-40:]))
@@ -174,7 +204,7 @@ def booted_systemd(work: Path, port: int, engine_port: int) -> Iterator[Namespac
     venv, models, python = _cached_builds()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHAT_APPLIANCE_")} | {
         "CA_WORK": str(work), "CA_CHECKOUT": str(ROOT), "CA_SYSTEMD": str(SYSTEMD),
-        "CA_PORT": str(port), "CA_ENGINE_PORT": str(engine_port),
+        "CA_PORT": str(port), "CA_ENGINE_PORT": str(engine_port), "CA_WATCHDOG_S": str(WATCHDOG_S),
         "CA_ROOT_BINDS": _root_binds(venv, models, python),
         "CHAT_APPLIANCE_ENGINE_VENV": str(venv), "CHAT_APPLIANCE_MODELS_DIR": str(models),
         "CHAT_APPLIANCE_PYTHON": str(python),
@@ -263,16 +293,49 @@ def test_the_installed_unit_under_systemd(tmp_path: Path, artefacts: Path) -> No
     port, engine_port = free_port(), free_port()
     with booted_systemd(tmp_path, port, engine_port) as ns:
         try:
+            listening = _serve_as_root(ns, port, engine_port)
             with _installed_client(ns, port, tmp_path) as client:
-                _exercise(ns, client)
+                _exercise(ns, client, port)
+            # Checked last, so that on a code that does write there the reload's failure shows.
+            assert "/var/lib/chat-appliance" not in listening, listening
         finally:
-            for name in ("install.log", "service.log", "namespace.log"):
+            for name in ("install.log", "service.log", "namespace.log", "root-serve.log"):
                 if (tmp_path / name).exists():
                     shutil.copy(tmp_path / name, artefacts / name)
             (artefacts / "timings.json").write_text(json.dumps(ns.timings, indent=2))
 
 
-def _exercise(ns: Namespaced, client: httpx.Client) -> None:
+def _serve_as_root(ns: Namespaced, port: int, engine_port: int) -> str:
+    """The operator debugging after the install: the installed `serve`, as root, on the
+    service's port. Its log line saying where its control socket listens."""
+    settings = ["CHAT_APPLIANCE_SERVER__HOST=127.0.0.1", f"CHAT_APPLIANCE_SERVER__PORT={port}",
+                f"CHAT_APPLIANCE_ENGINE__PORT={engine_port}",
+                'CHAT_APPLIANCE_ENGINE__COMMAND=["sleep", "600"]']
+    result = ns.run("sh", "-c", ROOT_SERVE, "root-serve", *ROOT_SHELL, *settings,
+                    INSTALLED, "serve")
+    log = (ns.work / "root-serve.log").read_text()
+    assert result.returncode == 0 and "control.listening" in log, f"{result.stderr}\n{log}"
+    return next(line for line in log.splitlines() if "control.listening" in line)
+
+
+def _state_left_to_others(ns: Namespaced) -> list[str]:
+    """What in the state directory, but the model, is not the service user's."""
+    found = ns.run("find", "/var/lib/chat-appliance", "-mindepth", "1", "-path",
+                   "/var/lib/chat-appliance/models", "-prune", "-o", "!", "-user", SERVICE_USER,
+                   "-printf", "%p %u %m\n").stdout
+    return found.splitlines()
+
+
+def _reloads(ns: Namespaced, port: int) -> None:
+    """systemctl reload (ExecReload, with the unit's $RUNTIME_DIRECTORY) and an operator's
+    `chat-appliance reload` from a root shell (without it) reach the service's socket."""
+    reload = ns.systemctl("reload", UNIT)
+    assert reload.returncode == 0, f"{reload.stderr}\n{ns.logs()}"
+    by_hand = ns.run(*ROOT_SHELL, f"CHAT_APPLIANCE_SERVER__PORT={port}", INSTALLED, "reload")
+    assert by_hand.returncode == 0 and by_hand.stdout.startswith("reloaded:"), by_hand.stderr
+
+
+def _exercise(ns: Namespaced, client: httpx.Client, port: int) -> None:
     # start returns on READY=1 (the API listens), before the model is loaded.
     started = time.monotonic()
     result = ns.systemctl("start", UNIT, timeout_s=READY_TIMEOUT_S)
@@ -291,10 +354,25 @@ def _exercise(ns: Namespaced, client: httpx.Client) -> None:
     worker = ns.run("ps", "-o", "user=", "-p", str(health["pid"])).stdout.strip()
     assert worker == SERVICE_USER, f"the worker (pid {health['pid']} inside) runs as {worker!r}"
 
-    reload = ns.systemctl("reload", UNIT)
-    assert reload.returncode == 0, reload.stderr
+    _reloads(ns, port)
+    assert _state_left_to_others(ns) == []
+    assert "control.unavailable" not in (ns.work / "service.log").read_text()
+    _watchdog_restart(ns, client)
+    _reloads(ns, port)  # the fresh RuntimeDirectory of the new start holds the new socket
 
-    # A frozen supervisor sends no WATCHDOG=1: systemd kills it and starts it again.
+    stopping = time.monotonic()
+    stop = ns.systemctl("stop", UNIT, timeout_s=120)
+    ns.timings["stop_s"] = round(time.monotonic() - stopping, 1)
+    assert stop.returncode == 0, stop.stderr
+    ended = ns.systemctl("show", "-p", "Result", "-p", "ExecMainCode", "-p", "ExecMainStatus",
+                         UNIT).stdout
+    assert ns.show("ActiveState") == "inactive", ended
+    assert _service_processes(ns) == [], "the service user still has processes after stop"
+    assert "supervisor.drained" in (ns.work / "service.log").read_text()
+
+
+def _watchdog_restart(ns: Namespaced, client: httpx.Client) -> None:
+    """A frozen supervisor sends no WATCHDOG=1: systemd kills it and starts it again."""
     main_pid = ns.show("MainPID")
     frozen = time.monotonic()
     assert ns.run("kill", "-STOP", main_pid).returncode == 0
@@ -306,11 +384,3 @@ def _exercise(ns: Namespaced, client: httpx.Client) -> None:
     assert ns.show("NRestarts") == "1"
     _wait_health(client, READY_TIMEOUT_S)
     ns.timings["watchdog_to_health_200_s"] = round(time.monotonic() - frozen, 1)
-
-    stopping = time.monotonic()
-    stop = ns.systemctl("stop", UNIT, timeout_s=120)
-    ns.timings["stop_s"] = round(time.monotonic() - stopping, 1)
-    assert stop.returncode == 0, stop.stderr
-    assert ns.show("ActiveState") == "inactive"
-    assert _service_processes(ns) == [], "the service user still has processes after stop"
-    assert "supervisor.drained" in (ns.work / "service.log").read_text()

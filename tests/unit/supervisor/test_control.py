@@ -102,6 +102,44 @@ async def test_only_the_service_user_can_open_the_socket(operator: tuple[Path, R
     assert clients.generation == 1
 
 
+async def test_a_peer_of_another_uid_is_refused_even_where_the_modes_let_it_in(
+        operator: tuple[Path, Roster]) -> None:
+    """The uid check stands on its own: with the directory and the socket opened to everyone
+    (a mode loosened by hand, an ACL), another user still gets no answer and reloads nothing."""
+    path, clients = operator
+    if os.geteuid() != 0 or shutil.which("python3", path="/usr/bin") is None:
+        pytest.skip("connecting as another user needs root and a system python3")
+    for folder in (path.parent.parent, path.parent):
+        folder.chmod(0o755)
+    path.chmod(0o666)
+    # Closed unanswered: an empty read, a reset or a broken pipe, as the timing falls.
+    tryout = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+              "try:\n    s.sendall(b'reload\\n')\n    answer = s.makefile('rb').readline()\n"
+              "except ConnectionError:\n    answer = b''\nsys.exit(3 if answer else 0)\n")
+    result = await asyncio.to_thread(subprocess.run, ["/usr/bin/python3", "-c", tryout, str(path)],
+                                     user=NOBODY, capture_output=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    assert clients.generation == 1
+
+
+async def test_the_uid_the_peer_check_reads_decides(short_dir: Path, config: Path) -> None:
+    """Through the credential seam, wherever the tests run: a stranger's connection is closed
+    unanswered, root's is served."""
+    clients = Roster.from_settings(load_settings())
+    seen: list[int] = []
+    path = short_dir / "control.sock"
+    async with control_socket(path, {"reload": Reloader(clients, None)},
+                              peer=lambda _sock: seen.pop()) as listening:
+        assert listening
+        seen.append(NOBODY)
+        with pytest.raises(ConnectionError):  # no answer: an empty read or a reset
+            await asyncio.to_thread(ask, path, "reload")
+        assert clients.generation == 1
+        seen.append(0)
+        assert (await asyncio.to_thread(ask, path, "reload"))["ok"] is True
+        assert clients.generation == 2
+
+
 async def test_the_peer_check_sees_who_connects() -> None:
     """SO_PEERCRED, the check behind the file modes: this process's own uid."""
     left, right = socket.socketpair(socket.AF_UNIX)
@@ -115,6 +153,16 @@ async def test_a_socket_it_cannot_make_is_reported_and_the_appliance_goes_on(
     write(blocker, "")
     async with control_socket(blocker / "control.sock", {}) as listening:
         assert listening is False
+
+
+async def test_a_link_in_place_of_the_directory_is_refused(short_dir: Path) -> None:
+    """A per-user directory may lie in the shared /tmp: a link planted there is not ours,
+    wherever it points (here at a directory this user owns)."""
+    (short_dir / "real").mkdir()
+    (short_dir / "run").symlink_to(short_dir / "real")
+    async with control_socket(short_dir / "run" / "control.sock", {}) as listening:
+        assert listening is False
+    assert not (short_dir / "real" / "control.sock").exists()
 
 
 async def test_no_web_request_reloads(config: Path) -> None:

@@ -102,13 +102,21 @@ def test_systemctl_reload_runs_the_reload_command_so_a_bad_file_fails_it() -> No
     assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
 
 
-def test_reload_reaches_the_control_socket_the_service_can_make() -> None:
-    """ExecReload runs `chat-appliance reload` as the service user: the socket it asks for
-    lies inside a path the unit lets the supervisor write."""
-    from appliance.settings import SYSTEM_RUN
+def test_reload_reaches_the_control_socket_in_the_runtime_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExecStart and ExecReload both get $RUNTIME_DIRECTORY, the service user's own directory
+    made afresh at every start (nothing a root run left can be in its way): the socket the
+    service makes there is the one ExecReload, and an operator's shell, ask."""
+    from appliance import settings as settings_module
 
     assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
     assert values("User") == ["chat-appliance"]
-    writable = [Path(path) for path in values("ReadWritePaths")]
-    assert any(SYSTEM_RUN.is_relative_to(path) for path in writable), writable
+    assert values("RuntimeDirectory") == [settings_module.SYSTEM_RUNTIME.name]
+    assert values("RuntimeDirectoryMode") == ["0700"]
     assert "AF_UNIX" in values("RestrictAddressFamilies")[0].split()
+    monkeypatch.setattr(settings_module, "_is_checkout", lambda: False)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(settings_module.SYSTEM_RUNTIME))
+    service = settings_module.ServerSettings().resolved_control_socket()
+    assert service.parent == settings_module.SYSTEM_RUNTIME
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    assert settings_module.ServerSettings().control_socket_candidates()[-1] == service
