@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from appliance.settings import Settings
+from supervisor.canary import CanaryKey, CanaryStore
 from supervisor.doctor.report import blocker, ok, warning
 from supervisor.selftest import command
 from supervisor.selftest.report import Check, CheckFailed, Report, timed
@@ -73,10 +75,35 @@ def test_without_consent_the_running_service_is_left_alone(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     touched: list[str] = []
     monkeypatch.setattr(command, "_answers", lambda url, verify: True)
-    monkeypatch.setattr(command, "all_checks", lambda: touched.append("doctor") or [])
+    def doctor() -> list[Any]:
+        touched.append("doctor")
+        return []
+
+    monkeypatch.setattr(command, "all_checks", doctor)
     monkeypatch.setattr(command, "run_checks", lambda *a: touched.append("checks"))
     args = argparse.Namespace(yes=False, temporary=False, json=False, record_canary=False)
     assert command.selftest(args, Settings()) == command.EXIT_REFUSED
     assert touched == []
     said = capsys.readouterr().err
     assert "--yes" in said and "kill -9 of the worker" in said and "--temporary" in said
+
+
+def test_record_canary_forgets_the_models_records_before_the_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The run that follows records them again (a worker start with no record records)."""
+    settings = Settings(engine={"model": "/models/a"}, canary={"file": tmp_path / "c.json"})
+    store = CanaryStore(tmp_path / "c.json")
+    store.put(CanaryKey("/models/a", "float32", "cpu", "0.32.0"), [[1]])
+    store.put(CanaryKey("/models/b", "float32", "cpu", "0.32.0"), [[2]])
+    seen: list[Any] = []
+    monkeypatch.setattr(command, "_answers", lambda url, verify: False)
+    monkeypatch.setattr(command, "all_checks", lambda: [])
+    def temporary(*_: Any) -> Report:
+        seen.append(store.get(CanaryKey("/models/a", "float32", "cpu", "0.32.0")))
+        return report(Check("canary", True, "recorded"))
+
+    monkeypatch.setattr(command, "_temporary", temporary)
+    args = argparse.Namespace(yes=False, temporary=False, json=False, record_canary=True)
+    assert command.selftest(args, settings) == 0
+    assert seen == [None]  # gone before the run began
+    assert store.get(CanaryKey("/models/b", "float32", "cpu", "0.32.0")) == [[2]]
