@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import ssl
 import sys
 import time
@@ -20,6 +21,7 @@ from supervisor.control import ask
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config (or box) must not restart-loop
 EXIT_NOT_ANSWERING = 3
+EXIT_INTERRUPTED = 130  # as a shell reports a command stopped by a signal
 WATCH_INTERVAL_S = 2.0
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -129,6 +131,9 @@ def _selftest(args: argparse.Namespace) -> int:
 
     settings = _settings_or_exit()
     logs.configure(settings.logging)
+    # SIGTERM (a timeout, a CI job cancelled) unwinds as Ctrl-C does: an instance of its own is
+    # stopped on the way out, and a frozen EngineCore resumed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_INTERRUPTED))
     return selftest(args, settings)
 
 

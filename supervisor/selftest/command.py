@@ -56,7 +56,10 @@ def _temporary(settings: Settings, findings: list[Any], verify: Any) -> Report:
         scheme = "https" if settings.server.tls else "http"
         url = instance.url.replace("http", scheme, 1)
         report = Report("temporary", url, ["nothing: an instance of its own, stopped at the end"])
-        run_checks(report, _target(url, settings, instance.api_key, verify), settings, findings)
+        target = _target(url, settings, instance.api_key, verify)
+        target.gone = lambda: (None if instance.proc.poll() is None
+                               else f"the instance exited with status {instance.proc.returncode}")
+        run_checks(report, target, settings, findings)
         if any(check.ok is False for check in report.checks):
             print(f"the temporary instance's log ends:\n{instance.log_tail()}", file=sys.stderr)
     report.checks.append(_nothing_left(instance))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -24,6 +25,8 @@ class Target:
     max_n: int
     boot_timeout_s: float  # a worker's start, from a crash to ready
     client: httpx.Client
+    # Why the appliance itself is gone (an instance of the self-test's own that exited), or None.
+    gone: Callable[[], str | None] = field(default=lambda: None)
 
     @classmethod
     def connect(cls, url: str, api_key: str | None, model: str, max_n: int,
@@ -45,12 +48,17 @@ class Target:
         """/health's detail once it is 200 with a worker other than `other_than`."""
         deadline = time.monotonic() + (timeout_s or self.boot_timeout_s)
         while time.monotonic() < deadline:
+            if (why := self.gone()) is not None:
+                raise CheckFailed(why)
             try:
                 code, detail = self.health()
             except (httpx.HTTPError, ValueError):
                 code, detail = 0, {}
             if code == 200 and detail.get("pid") not in (None, other_than):
                 return detail
+            if detail.get("state") == "failed":  # a crash loop: no worker comes for a while
+                last = detail.get("last_exit") or {}
+                raise CheckFailed(f"the engine failed: {last.get('detail') or 'crash loop'}")
             time.sleep(POLL_S)
         raise CheckFailed(f"not ready again within {timeout_s or self.boot_timeout_s:.0f} s")
 
