@@ -107,3 +107,14 @@ def test_record_canary_forgets_the_models_records_before_the_run(
     assert command.selftest(args, settings) == 0
     assert seen == [None]  # gone before the run began
     assert store.get(CanaryKey("/models/b", "float32", "cpu", "0.32.0")) == [[2]]
+
+
+def test_waiting_for_ready_ends_at_once_on_a_failed_engine_or_a_gone_instance() -> None:
+    failed = {"state": "failed", "pid": None, "last_exit": {"detail": "never became ready"}}
+    target = health_target(iter([failed]))
+    with pytest.raises(CheckFailed, match="the engine failed: never became ready"):
+        target.wait_ready(timeout_s=60)
+    starting = health_target(iter([{"state": "starting", "pid": None}] * 3))
+    starting.gone = lambda: "the instance exited with status 2"
+    with pytest.raises(CheckFailed, match="exited with status 2"):
+        starting.wait_ready(timeout_s=60)
