@@ -413,6 +413,22 @@ class CrashSettings(_Group):
         return Path(root) / "chat-appliance" / "crashes"
 
 
+class CanarySettings(_Group):
+    """The correctness canary: greedy answers of fixed prompts, recorded once per model (model,
+    dtype, device, engine version) and compared at every worker start (supervisor/canary.py)."""
+
+    enabled: bool = True
+    file: Path | None = None  # None: $XDG_STATE_HOME (else ~/.local/state)/chat-appliance/canary.json
+    max_tokens: int = Field(8, ge=1, le=64)  # tokens of each greedy answer
+    timeout_s: float = Field(60.0, gt=0)  # one prompt's answer, behind whatever else runs
+
+    def resolved_file(self) -> Path:
+        if self.file is not None:
+            return self.file.expanduser()
+        root = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        return Path(root) / "chat-appliance" / "canary.json"
+
+
 class ResumeSettings(_Group):
     """What an engine fault costs a request: a pause, not an error (docs/DESIGN.md, recovery).
 
@@ -458,6 +474,7 @@ class Settings(BaseSettings):
     doctor: DoctorSettings = Field(default_factory=DoctorSettings)
     crashes: CrashSettings = Field(default_factory=CrashSettings)
     resume: ResumeSettings = Field(default_factory=ResumeSettings)
+    canary: CanarySettings = Field(default_factory=CanarySettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @classmethod

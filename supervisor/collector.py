@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from appliance.engine import EngineState
 from appliance.metrics import LATENCY_BUCKETS
+from supervisor.canary import CanaryResult
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.stats import EngineStats
 
@@ -26,12 +27,17 @@ class GpuGauges(Protocol):
     def gauges(self) -> dict[str, float]: ...
 
 
+class CanaryVerdict(Protocol):
+    result: CanaryResult | None
+
+
 class SupervisorCollector(Collector):
     def __init__(self, manager: EngineManager, engine: EngineGauges,
-                 gpu: GpuGauges | None) -> None:
+                 gpu: GpuGauges | None, canary: CanaryVerdict | None = None) -> None:
         self._manager = manager
         self._engine = engine
         self._gpu = gpu
+        self._canary = canary
 
     def collect(self) -> Iterator[Metric]:
         manager = self._manager
@@ -53,6 +59,11 @@ class SupervisorCollector(Collector):
             yield GaugeMetricFamily("appliance_engine_kv_cache_usage_ratio",
                                     "The worker's vllm:kv_cache_usage_perc.",
                                     value=stats.kv_cache_usage)
+        verdict = self._canary.result if self._canary is not None else None
+        if verdict is not None and verdict.ok is not None:  # absent until a worker is judged
+            yield GaugeMetricFamily("appliance_canary_ok", "1 while the last worker judged gave "
+                                    "the recorded greedy answers, 0 on a mismatch.",
+                                    value=1.0 if verdict.ok else 0.0)
         for name, value in (self._gpu.gauges() if self._gpu is not None else {}).items():
             if name in _COUNTERS:
                 yield CounterMetricFamily(f"appliance_{name.removesuffix('_total')}",

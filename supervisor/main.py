@@ -1,10 +1,12 @@
-"""`chat-appliance` command line: serve, check-config, status, reload, doctor, crashes."""
+"""`chat-appliance` command line: serve, check-config, status, reload, doctor, crashes,
+selftest."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import signal
 import ssl
 import sys
 import time
@@ -19,6 +21,7 @@ from supervisor.control import ask
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config (or box) must not restart-loop
 EXIT_NOT_ANSWERING = 3
+EXIT_INTERRUPTED = 130  # as a shell reports a command stopped by a signal
 WATCH_INTERVAL_S = 2.0
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -57,10 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     crashes.add_argument("show", nargs="?", metavar="NAME",
                          help="show this bundle (\"last\": the newest)")
     crashes.add_argument("--json", action="store_true", help="print the bundle's raw JSON")
+    selftest = commands.add_parser("selftest", help="prove this box in minutes: every API, the "
+                                   "gate, disconnect, kill -9 and freeze back to ready, the "
+                                   "correctness canary; exit status 1 on a failure")
+    _selftest_arguments(selftest)
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status,
                "reload": _reload, "doctor": _doctor,
-               "crashes": _crashes}[args.command]
+               "crashes": _crashes, "selftest": _selftest}[args.command]
     return handler(args)
 
 
@@ -110,6 +117,24 @@ def _crashes(args: argparse.Namespace) -> int:
     from supervisor.forensics.command import crashes
 
     return crashes(_settings_or_exit().crashes, args.show, args.json, sys.stdout)
+
+
+def _selftest_arguments(parser: argparse.ArgumentParser) -> None:
+    from supervisor.selftest import add_arguments
+
+    add_arguments(parser)
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from supervisor import logs
+    from supervisor.selftest.command import selftest
+
+    settings = _settings_or_exit()
+    logs.configure(settings.logging)
+    # SIGTERM (a timeout, a CI job cancelled) unwinds as Ctrl-C does: an instance of its own is
+    # stopped on the way out, and a frozen EngineCore resumed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_INTERRUPTED))
+    return selftest(args, settings)
 
 
 def _positive_seconds(text: str) -> float:

@@ -23,6 +23,7 @@ from appliance.engine import EngineState, Waiting
 from appliance.fences.uvicorn import ApiServer, listener
 from appliance.recovery.quarantine import Quarantine
 from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
+from supervisor.canary import CanaryWatch
 from supervisor.collector import SupervisorCollector, restart_durations
 from supervisor.control import control_socket
 from supervisor.engine.gpu_budget import (
@@ -141,10 +142,14 @@ async def serve(settings: Settings) -> int:
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu, waiting=waiting,
                             forensics=forensics)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
+    # Each worker, once ready, answers the correctness canary in the background.
+    canary = CanaryWatch(engine, settings.canary, prober.ask, lambda: manager.pid)
+    manager.listeners.append(canary.on_state)
+    manager.details["canary"] = canary.summary
 
     # 2. Metrics: the supervisor's facts, read at scrape time, in the registry the API serves.
     registry = CollectorRegistry()
-    registry.register(SupervisorCollector(manager, progress, gpu))
+    registry.register(SupervisorCollector(manager, progress, gpu, canary))
     durations = restart_durations(registry)
     manager.phase_listeners.append(lambda phase, s: durations.labels(phase=phase).observe(s))
 
@@ -217,6 +222,7 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
     await operator.aclose()
+    await canary.aclose()
     await prober.aclose()
     await launcher.aclose()
     if gpu is not None:

@@ -118,6 +118,8 @@ class EngineManager:
         self.last_tick = clock()  # the loop's heartbeat, for the systemd watchdog
         self.listeners: list[Transition] = []
         self.phase_listeners: list[PhaseTiming] = []
+        # More facts for /health, each read when it is asked (the correctness canary's verdict).
+        self.details: dict[str, Callable[[], object]] = {}
 
     # --- EngineView -------------------------------------------------------------------------
 
@@ -190,7 +192,7 @@ class EngineManager:
             "recent_exits": [cause.as_dict() for _, cause in reversed(self._exits)],
             "gpu": self._gpu.summary() if self._gpu else {"status": "unavailable"},
             "last_crash": self._forensics.last if self._forensics else None,
-        }
+        } | {name: read() for name, read in self.details.items()}
 
     # --- control ----------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ log = structlog.get_logger("supervisor.engine.probe")
 
 T = TypeVar("T")
 
-_CONNECTIONS = 2  # health and progress can ask at once; nothing else asks
+_CONNECTIONS = 3  # health, progress and the correctness canary can ask at once
 _KEEPALIVE_S = 4.0  # under uvicorn's 5 s: the worker never closes one we are about to use
 
 
@@ -72,6 +72,11 @@ class HttpProber:
         if answer is None or answer[0] != 200:
             return None
         return parse_engine_stats(answer[1].decode("utf-8", "replace"))
+
+    async def ask(self, method: str, path: str, body: bytes | None,
+                  timeout_s: float) -> tuple[int, bytes] | None:
+        """Any other question (the correctness canary's): status and body, or None."""
+        return await self._request(method, path, body, timeout_s)
 
     async def aclose(self) -> None:
         if self._loop.is_closed():

@@ -218,6 +218,7 @@ def running_appliance(tmp_path: Path, env_extra: dict[str, str] | None = None,
         "CHAT_APPLIANCE_LOGGING__FORMAT": "json",
         "CHAT_APPLIANCE_SUPERVISOR__BACKOFF_INITIAL_S": "0.5",
         "CHAT_APPLIANCE_CRASHES__DIR": str(tmp_path / "crashes"),  # not the user's state dir
+        "CHAT_APPLIANCE_CANARY__FILE": str(tmp_path / "canary.json"),  # nor its canary records
     }
     env |= {f"CHAT_APPLIANCE_{key.upper()}": value for key, value in settings.items()}
     env |= env_extra or {}

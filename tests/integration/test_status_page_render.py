@@ -25,6 +25,9 @@ GPU = {"status": "unhealthy", "name": "NVIDIA H200", "uuid": "GPU-0", "memory_us
        "memory_total_bytes": 141 * GIB, "utilization_pct": 93, "temperature_c": 87,
        "slowdown_reasons": ["sw_thermal"], "warnings": ["thermal slowdown"], "last_xid": 79,
        "health": {"action": "fail", "cause": "Xid 79: GPU has fallen off the bus"}}
+CANARY = {"verdict": "mismatch", "ok": False, "key": "big-model|auto|cuda|vllm 0.32.0",
+          "detail": "1 of 3 greedy answers differ from the record: prompt 2 gave [5], "
+                    "recorded [6]", "worker": 4242, "at": 1.7e9, "differing": [2]}
 EXIT = {"phase": "running", "reason": "gpu_fatal", "detail": "GPU is lost", "at": 1.7e9,
         "restart": {}}
 
@@ -32,7 +35,8 @@ EXIT = {"phase": "running", "reason": "gpu_fatal", "detail": "GPU is lost", "at"
 class GpuEngine(FakeEngine):
     def snapshot(self) -> dict[str, Any]:
         return super().snapshot() | {"gpu": GPU, "last_exit": EXIT, "recent_exits": [EXIT],
-                                     "model": "big-model", "supervisor_uptime_s": 3725.0}
+                                     "model": "big-model", "supervisor_uptime_s": 3725.0,
+                                     "canary": CANARY}
 
 
 @pytest.fixture
@@ -72,5 +76,7 @@ def test_a_gpu_and_a_failed_engine_are_drawn_from_status_json(served: str,
         assert page.text("supervisor-uptime") == "1h 02m"
         assert page.text("quarantined").startswith("1: 0123456789abcdef (2 deaths, refused 0")
         assert not page.by_id("send").is_enabled()
+        assert page.text("engine-canary") == "MISMATCH: " + CANARY["detail"]
+        assert "canary-mismatch" in (page.by_id("engine-canary").get_attribute("class") or "")
         page.screenshot(artefacts / "gpu-failed.png")
         assert page.errors() == []

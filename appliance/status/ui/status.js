@@ -126,6 +126,18 @@
     // The bundle names clients and requests: the page names the command that shows it, on
     // the appliance's own console, rather than serving it to anyone who can read the page.
     $("engine-crash").textContent = engine.last_crash ? "chat-appliance crashes " + engine.last_crash : "none";
+    renderCanary(engine.canary);
+  }
+
+  // "200 OK but garbage" has no other sign: a mismatch is said in words, and marked.
+  function renderCanary(canary) {
+    const cell = $("engine-canary");
+    cell.classList.toggle("canary-mismatch", !!canary && canary.ok === false);
+    if (!canary) { cell.textContent = "not checked yet"; return; }
+    const words = {pass: "ok", recorded: "recorded for this model", disabled: "disabled",
+                   mismatch: "MISMATCH", error: "not judged"};
+    const said = words[canary.verdict] || canary.verdict;
+    cell.textContent = canary.detail ? said + ": " + canary.detail : said;
   }
 
   function renderRequests(requests) {
