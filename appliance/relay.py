@@ -30,7 +30,7 @@ from appliance.fences.vllm import ANTHROPIC_ENGINE_DEAD, ENGINE_DEAD_MESSAGE
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound, PassThrough
-from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.policy.cost_watch import CostWatch, Followed, tokens_per_event
 from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import engine_back, engine_died, engine_fault, loss_confirmed
 from appliance.recovery.stream import KEPT_BYTES, Continuation
@@ -179,7 +179,9 @@ class Relay:
                     try:
                         with deps.cost.follow(outbound.constraint, watch.too_costly,
                                               engine_work=not isinstance(outbound, PassThrough),
-                                              streamed=outbound.stream) as self._cost:
+                                              streamed=outbound.stream,
+                                              per_event=tokens_per_event(outbound.payload)
+                                              ) as self._cost:
                             last = await self._answer(send, watch, meter)
                     finally:
                         self._release()
@@ -426,7 +428,7 @@ class Relay:
             self._before_last, self._last = self._last, chunk
             cost = self._cost
             if cost.measuring:
-                cost.progressed(chunk.count(b"data:"))
+                cost.progressed(chunk)
         else:
             self._relayed(chunk)
         return True
@@ -456,7 +458,7 @@ class Relay:
             self._answer_began()
         self._before_last, self._last = self._last, chunk  # what a stream's error end reads
         if self._cost.measuring:  # most streams' tokens are not timed (CostWatch.timed)
-            self._cost.progressed(chunk.count(b"data:"))
+            self._cost.progressed(chunk)
 
     def _answer_began(self) -> None:
         """The first chunk of an exchange: the worker took the request up."""
