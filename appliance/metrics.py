@@ -58,7 +58,8 @@ class RequestMetrics:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.in_flight = Gauge("appliance_requests_in_flight",
-                               "Generation requests admitted and not yet answered.", registry=r)
+                               "Sequences of the generation requests admitted and not yet "
+                               "answered (a request counts its prompts x n).", registry=r)
         self.rejections = Counter("appliance_rejections", "Requests refused, by reason and client.",
                                   ["reason", "client"], registry=r)
         self.queued = Gauge("appliance_admission_queued",

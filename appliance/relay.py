@@ -28,7 +28,7 @@ from appliance.fences.uvicorn import ClientLink, client_link
 from appliance.gate.gate import Gate
 from appliance.metrics import RequestMetrics, arrived_at
 from appliance.outbound import Outbound, PassThrough
-from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.policy.cost_watch import CostWatch, Followed, tokens_per_event
 from appliance.recovery.quarantine import Quarantine
 from appliance.recovery.replay import (
     Fate,
@@ -183,7 +183,9 @@ class Relay:
                     try:
                         with deps.cost.follow(outbound.constraint, watch.too_costly,
                                               engine_work=not isinstance(outbound, PassThrough),
-                                              streamed=outbound.stream) as self._cost:
+                                              streamed=outbound.stream,
+                                              per_event=tokens_per_event(outbound.payload)
+                                              ) as self._cost:
                             last = await self._answer(send, watch, meter)
                     finally:
                         self._release()
@@ -451,7 +453,7 @@ class Relay:
             self._before_last, self._last = self._last, chunk
             cost = self._cost
             if cost.measuring:
-                cost.progressed(chunk.count(b"data:"))
+                cost.progressed(chunk)
         else:
             self._relayed(chunk)
         return True
@@ -482,7 +484,7 @@ class Relay:
             self._answer_began()
         self._before_last, self._last = self._last, chunk  # what a stream's error end reads
         if self._cost.measuring:  # most streams' tokens are not timed (CostWatch.timed)
-            self._cost.progressed(chunk.count(b"data:"))
+            self._cost.progressed(chunk)
 
     def _answer_began(self) -> None:
         """The first chunk of an exchange: the worker took the request up."""

@@ -1,4 +1,4 @@
-"""What each client holds at the door: requests open, and a token bucket for tokens per minute."""
+"""What each client holds at the door: sequences open, and a token bucket for tokens per minute."""
 
 from __future__ import annotations
 
@@ -37,13 +37,15 @@ class TokenBucket:
 class Account:
     """One client's requests held (queued or admitted) and its bucket, kept across reloads."""
 
-    held: int = 0
+    held: int = 0  # sequences (a request's fan-out), queued or admitted
     bucket: TokenBucket | None = field(default=None)
 
-    def check(self, client: Client, now: float, mean_hold_s: float) -> None:
-        """429 naming the client's limit it is over, and when it resets (Retry-After)."""
-        if client.max_inflight is not None and self.held >= client.max_inflight:
-            raise _limited(f"client '{client.name}' has {self.held} requests open, its limit "
+    def check(self, client: Client, now: float, mean_hold_s: float, sequences: int = 1) -> None:
+        """429 naming the client's limit it is over, and when it resets (Retry-After):
+        `sequences` more would hold more than its max_inflight."""
+        if client.max_inflight is not None and self.held + sequences > client.max_inflight:
+            raise _limited(f"client '{client.name}' has {self.held} sequences open and asks "
+                           f"{sequences} more, over its limit "
                            f"(max_inflight {client.max_inflight}); one should finish in about "
                            f"{_seconds(mean_hold_s)} s", "client_max_inflight", mean_hold_s)
         bucket = self._bucket(client, now)

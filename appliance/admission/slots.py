@@ -1,10 +1,16 @@
-"""Admission: how many generation requests may be with the engine at once, and who waits.
+"""Admission: how many sequences generation requests may hold at the engine at once, and who
+waits.
 
-A request first passes its client's own limits (requests open, tokens per minute): over one,
-it is refused at once with 429 naming the limit and when it resets. Then it takes one of the
-`max_inflight` slots, or, when all are taken, waits in a short queue (admission.queue_max
+A request holds as many slots as the sequences it makes the engine run (its fan-out: prompts of
+a batch times `n`, appliance.policy.fanout), so a batch of 64 prompts holds what 64 single
+requests hold. A request first passes its client's own limits (sequences open, tokens per
+minute): over one, it is refused at once with 429 naming the limit and when it resets (a fan-out
+above a limit outright is the gate's 400: no wait would ever admit it). Then it takes its
+`max_inflight` slots, or, when too few are free, waits in a short queue (admission.queue_max
 places, admission.queue_wait_s at most) served by priority and round-robin across clients
-(appliance.fairqueue). A freed slot passes straight to the next waiter. A client with a
+(appliance.fairqueue). Freed slots pass straight to the next waiter once it fits (the head
+of the queue is never passed over by a smaller request behind it: a batch is not starved). A
+client with a
 better priority than the default may also take one of `admission.priority_headroom` slots
 beyond the limit, so that it does not wait for a low-priority request to finish. A request not
 admitted in time gets 429 with a Retry-After estimated from the queue and the mean time a
@@ -18,6 +24,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 from appliance.admission.accounts import Account
 from appliance.admission.clients import ANYONE, Client
@@ -41,6 +48,11 @@ class _Waiter:
         return future.done() and not future.cancelled() and future.exception() is None
 
 
+class _Waiting(NamedTuple):
+    waiter: _Waiter
+    sequences: int
+
+
 class Admission:
     """In-flight slots; `slot()` is the only way to take one, and its exit the only release."""
 
@@ -53,7 +65,7 @@ class Admission:
         self._queue_max = queue_max
         self._wait_s = queue_wait_s
         self._clock = clock
-        self._queue: FairQueue[_Waiter] = FairQueue()
+        self._queue: FairQueue[_Waiting] = FairQueue()
         self._accounts: dict[str, Account] = {}
         self.mean_hold_s = _FIRST_HOLD_S
         self.admitted = 0  # slots granted so far: work the engine was given
@@ -73,25 +85,33 @@ class Admission:
     def queued(self) -> int:
         return len(self._queue)
 
+    @property
+    def max_inflight(self) -> int:
+        return self._max
+
     @contextlib.asynccontextmanager
-    async def slot(self, client: Client = ANYONE, prompt_bytes: int = 0) -> AsyncIterator[Meter]:
-        """Hold a slot for the block; it yields the meter the request's usage is counted on."""
+    async def slot(self, client: Client = ANYONE, prompt_bytes: int = 0, sequences: int = 1,
+                   admitted: Callable[[], None] | None = None) -> AsyncIterator[Meter]:
+        """Hold `sequences` slots for the block; it yields the meter the request's usage is
+        counted on. `admitted` runs once they are held (what a request records only then)."""
         account = self._accounts.setdefault(client.name, Account())
-        account.check(client, self._clock(), self.mean_hold_s)
-        account.held += 1
+        account.check(client, self._clock(), self.mean_hold_s, sequences)
+        account.held += sequences
         try:
-            await self._take(client)
+            await self._take(client, sequences)
         except BaseException:
-            account.held -= 1
+            account.held -= sequences
             raise
         self.admitted += 1
         meter = Meter(client.tokens_per_minute is not None, prompt_bytes)
         started = self._clock()
         try:
+            if admitted is not None:
+                admitted()
             yield meter
         finally:
-            self._give_back()
-            account.held -= 1
+            self._give_back(sequences)
+            account.held -= sequences
             now = self._clock()
             self.mean_hold_s += _HOLD_WEIGHT * (now - started - self.mean_hold_s)
             if meter.enabled:
@@ -105,35 +125,35 @@ class Admission:
         """Slots a request of this priority may count up to: the headroom is for the better."""
         return self._max + (self._headroom if priority < self._default_priority else 0)
 
-    async def _take(self, client: Client) -> None:
+    async def _take(self, client: Client, sequences: int) -> None:
         best_waiting = self._queue.best_priority()
-        if self._in_flight < self._capacity(client.priority) and (
+        if self._in_flight + sequences <= self._capacity(client.priority) and (
                 best_waiting is None or best_waiting > client.priority):
-            self._in_flight += 1
+            self._in_flight += sequences
             return
         if self._queue_max == 0 or self._wait_s <= 0:
-            raise TooManyRequests(f"more than {self._max} requests in flight; retry shortly",
+            raise TooManyRequests(f"more than {self._max} sequences in flight; retry shortly",
                                   code="too_many_requests", retry_after_s=self.retry_after_s(),
                                   reason="admission")
         waiter = _Waiter(asyncio.get_running_loop().create_future())
-        self._enqueue(waiter, client)
+        self._enqueue(_Waiting(waiter, sequences), client)
         try:
             async with asyncio.timeout(self._wait_s):
                 await waiter.future
         except TimeoutError:
             if waiter.granted():
-                return  # the slot came as the time ran out: it is ours
-            self._queue.remove(waiter)
+                return  # the slots came as the time ran out: they are ours
+            self._queue.remove(_Waiting(waiter, sequences))
             raise self._refusal("queue_timeout", f"not admitted within {self._wait_s:g} s "
                                 "(admission.queue_wait_s)") from None
         except asyncio.CancelledError:
             if waiter.granted():
-                self._give_back()  # handed to us as we left: pass it on
+                self._give_back(sequences)  # handed to us as we left: pass them on
             else:
-                self._queue.remove(waiter)
+                self._queue.remove(_Waiting(waiter, sequences))
             raise
 
-    def _enqueue(self, waiter: _Waiter, client: Client) -> None:
+    def _enqueue(self, waiter: _Waiting, client: Client) -> None:
         """Queue the waiter; a full queue drops the heaviest client's newest waiter for it, or
         refuses it when its own client is the heaviest."""
         if len(self._queue) >= self._queue_max:
@@ -144,26 +164,27 @@ class Admission:
             victim = self._queue.newest_of(heaviest[0])
             assert victim is not None
             self._queue.remove(victim)
-            victim.future.set_exception(self._refusal(
+            victim.waiter.future.set_exception(self._refusal(
                 "queue_full", "dropped from the full admission queue for a client with fewer "
                 "requests waiting"))
         self._queue.push(waiter, client.name, client.priority)
 
-    def _give_back(self) -> None:
+    def _give_back(self, sequences: int) -> None:
+        """Frees the slots, then admits waiters in turn while the next one fits."""
+        self._in_flight -= sequences
         while (next_up := self._queue.peek()) is not None:
-            waiter, priority = next_up
-            if waiter.future.done():  # gave up; its task takes no slot
-                self._queue.remove(waiter)
+            waiting, priority = next_up
+            if waiting.waiter.future.done():  # gave up; its task takes no slot
+                self._queue.remove(waiting)
                 continue
-            if self._in_flight > self._capacity(priority):
-                break  # a headroom slot, and the next waiter may not have it
+            if self._in_flight + waiting.sequences > self._capacity(priority):
+                break  # it waits for more to be freed; nobody passes it
             self._queue.pop()  # that waiter, and its client's turn goes round
-            waiter.future.set_result(None)  # the slot passes on: in_flight is unchanged
-            return
-        self._in_flight -= 1
+            self._in_flight += waiting.sequences
+            waiting.waiter.future.set_result(None)
 
     def _refusal(self, code: str, why: str) -> TooManyRequests:
         retry_after_s = self.retry_after_s()
-        return TooManyRequests(f"{why}: {self._in_flight} requests in flight, {len(self._queue)} "
+        return TooManyRequests(f"{why}: {self._in_flight} sequences in flight, {len(self._queue)} "
                                f"waiting; retry in {retry_after_s} s", code=code,
                                retry_after_s=retry_after_s, reason=code)

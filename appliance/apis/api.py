@@ -20,7 +20,13 @@ from appliance.apis.counting import Limits, PromptCounter
 from appliance.apis.shape import ErrorShape
 from appliance.fences.vllm import StreamEnding
 from appliance.policy import MediaPart
-from appliance.policy.fanout import check_conversation, check_message_count, check_prompts
+from appliance.policy.fanout import (
+    batch_size,
+    check_conversation,
+    check_message_count,
+    check_prompts,
+    sequences,
+)
 from appliance.recovery.stream import Record
 from appliance.settings import PolicySettings, Settings
 
@@ -61,6 +67,12 @@ class GenerationApi:
     def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
         """How much work the body holds, bounded."""
         check_prompts(body, limits.max_batch_prompts)
+
+    def sequences(self, body: Mapping[str, Any]) -> tuple[int, str]:
+        """The sequences the body makes the engine run at once (admission holds as many slots),
+        and the field to name when they are too many: a batch of prompts, each `n` times."""
+        prompts = batch_size(body.get("prompt"))
+        return sequences(prompts, body), "prompt" if prompts > 1 else "n"
 
     def media(self, body: Mapping[str, Any]) -> list[MediaPart] | None:
         """The media the body would make the worker fetch or decode; None: none possible."""

@@ -30,6 +30,7 @@ from appliance.gate.budget import BudgetFitter
 from appliance.outbound import StreamAsked
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
+from appliance.policy.fanout import check_sequences
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.policy.token_ids import check_token_ids, vocabulary_size
@@ -62,6 +63,8 @@ class Vetted(StreamAsked):
     record: Record | None = None  # what its stream keeps to go on after an engine fault
     constraint: str | None = None  # its output constraint's parameter (the first, if several)
     added: bytes = b""  # fields added to the raw body, where nothing else changed it
+    sequences: int = 1  # its fan-out: the admission slots it holds
+    admitted: Callable[[], None] | None = None  # what the route records once it is admitted
 
     @property
     def shape(self) -> ErrorShape:
@@ -99,7 +102,7 @@ class Vetted(StreamAsked):
 
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
         """The engine works for it: it holds a slot, its usage metered there."""
-        return admission.slot(self.client, len(self.raw))
+        return admission.slot(self.client, len(self.raw), self.sequences, self.admitted)
 
     def fit_budget(self, gate: Gate) -> Awaitable[None]:
         """Once it holds its slot: its budget fitted to the window's room."""
@@ -139,6 +142,8 @@ class Gate:
         policy.check_n(body, limits.max_n)
         check_token_ids(body, self._vocabulary)
         api.check_size(body, limits)
+        sequences, fanned = api.sequences(body)
+        check_sequences(sequences, fanned, limits.max_inflight, client)
         media = api.media(body)
         if media is not None:
             policy.check_media(media, multimodal=self._multimodal, max_images=limits.max_images,
@@ -150,7 +155,7 @@ class Gate:
         defaulted = bool(api.budget_fields) and apply_default_budget(
             body, api.budget_fields, limits.default_max_tokens)
         vetted = Vetted(api, body, raw, changed=changed or defaulted, defaulted=defaulted,
-                        client=client, constraint=constraint)
+                        client=client, constraint=constraint, sequences=sequences)
         self._apply_client(vetted)
         if self._settings.resume.enabled:
             self._keep_record(vetted, media=bool(media))

@@ -10,15 +10,23 @@ grammar within them still grows costlier with each token: measured on the CPU wo
 `s ::= s s s | s s | [a-z ]` went from 0.05 to 0.36 s a token in 40 tokens). So the watch
 measures the engine's time per token, and when it stays above `slow_factor` x its norm for
 `slow_tokens` tokens while more than one request is at the engine, it aborts the constrained
-request that has been there longest, if it was there when those slow tokens began (then the
-next, if the steps stay slow). A request alone
-costs only itself and is left to finish.
+request whose stay has been slowest: of those there when the slow tokens began, the one with
+the highest mean time per token since it came (a cheap constraint that ran at the norm before
+a costly one came has a lower mean than the costly one; the latest to come on a tie: its coming
+is what changed the pace). Then the next, if the steps stay slow. A request alone costs only
+itself and is left to finish.
 
 Where the time per token comes from: the streams the relay forwards. In a batch each running
-request gets one token per step, so the gaps between a stream's events are the engine's step
-times. A non-streamed request shows no progress, so it is watched through the streams beside
-it: a costly non-streamed request is caught by a streamed peer's gaps; among non-streamed
-requests only, nothing is measured and nothing is aborted. The norm is the median gap of the
+request gets one token per step, so a stream's time per token is the engine's step time. An
+event may carry several tokens (a client's `stream_interval`, or outputs vLLM merged while the
+reader lagged), so a gap is divided by the tokens the event carries: counted from its
+`token_ids` (vLLM's `return_token_ids`, which the gate asks of every chat and completions
+stream it can resume; a few C-level byte searches per event, and only for the streams timed
+now), else taken as the request's `stream_interval` per event (what vLLM sends). An event
+that carries no token (a role, a usage or an empty final event) marks no step. A non-streamed
+request shows no progress, so it is watched through the streams beside it: a costly
+non-streamed request is caught by a streamed peer's gaps; among non-streamed requests only,
+nothing is measured and nothing is aborted. The norm is the median gap of the
 last streams seen while no constrained request was at the engine (so that a costly one cannot
 raise its own bar), never below `slow_norm_floor_s`, which also stands in for it until a gap
 has been seen.
@@ -29,8 +37,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from prometheus_client import Counter
@@ -41,6 +50,34 @@ from appliance.settings import ConstraintSettings
 log = structlog.get_logger("appliance.cost")
 
 _NORM_GAPS = 256  # the gaps the norm is the median of
+_IDS = b'"token_ids":['  # an event's generated ids (not `"prompt_token_ids":[`: no quote before)
+_IDS_SIZE = len(_IDS)
+_EVENT = b"data:"
+
+
+def tokens_per_event(payload: Mapping[str, Any]) -> int:
+    """What vLLM sends a request in one event when its ids are not there to count: its
+    `stream_interval` tokens (the last event may carry fewer)."""
+    interval = payload.get("stream_interval")
+    return interval if isinstance(interval, int) and interval > 1 else 1
+
+
+def tokens_in(chunk: bytes, per_event: int) -> int:
+    """The tokens a read of a stream carries: its events' generated ids where they are there,
+    else `per_event` per event."""
+    start = chunk.find(_IDS)
+    if start < 0:
+        return chunk.count(_EVENT) * per_event
+    tokens = 0
+    while start >= 0:
+        start += _IDS_SIZE
+        end = chunk.find(b"]", start)
+        if end < 0:
+            break  # cut off mid-list: the rest comes with the next read (its tokens count then)
+        if end > start:
+            tokens += chunk.count(b",", start, end) + 1
+        start = chunk.find(_IDS, end)
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -79,6 +116,7 @@ class Followed:
     since: float
     constraint: str | None  # the parameter of its output constraint; None: unconstrained
     abort: Callable[[], None]
+    per_event: int = 1  # the tokens an event carries when it has no ids to count
     # Seconds a token, its last few, and when each began: made at its first judged gap (most
     # requests never meet a constrained one, and two deques cost a quarter of following one).
     gaps: deque[float] | None = None
@@ -89,21 +127,27 @@ class Followed:
     watched: bool = True  # at the engine, not yet aborted: its progress is judged
     measuring: bool = False  # its tokens are timed now (CostWatch.timed): the relay asks first
     verdict: Verdict | None = field(default=None)
+    # A constrained request: the watch's judged seconds and gaps when it came (CostWatch.paced).
+    came_s: float = 0.0
+    came_gaps: int = 0
 
-    def progressed(self, events: int) -> None:
-        """`events` stream events arrived together (one token each, lately). Once per token
-        while the request is `measuring`: while no constrained request is at the engine, a gap
-        only feeds the norm (one that began then can never make a window that condemns a
-        constrained request, as none was at the engine when it began; see CostWatch.judge)."""
+    def progressed(self, chunk: bytes) -> None:
+        """A read of its stream went to the client. Once per read while the request is
+        `measuring`: while no constrained request is at the engine, a gap only feeds the norm
+        (one that began then can never make a window that condemns a constrained request, as
+        none was at the engine when it began; see CostWatch.judge)."""
         if not self.measuring:
             return  # not timed now, or aborted (what still arrives before the cancellation lands)
+        tokens = tokens_in(chunk, self.per_event)
+        if not tokens:
+            return  # no token in it: no step's mark
         watch = self.watch
         now = watch.clock()
         last, self.last_event = self.last_event, now
-        self.tokens += events
+        self.tokens += tokens
         if last is None:
             return  # the first is the queue's and the prefill's time
-        gap = (now - last) / (events or 1)
+        gap = (now - last) / tokens
         if not watch.constrained:
             watch.norm.append(gap)
             return
@@ -112,6 +156,8 @@ class Followed:
             self.gaps, self.began = deque(maxlen=window), deque(maxlen=window)
         self.gaps.append(gap)
         self.began.append(last)
+        watch.judged_s += gap
+        watch.judged += 1
         watch.judge()
 
     def __enter__(self) -> Followed:
@@ -133,15 +179,20 @@ class CostWatch:
         self._at_engine: list[Followed] = []  # oldest first
         self.constrained = 0  # of them: while none is, an event costs no look at the others
         self._timer: Followed | None = None  # the stream that times the steps for the norm
+        # Every gap judged so far (while a constrained request was there), summed: a
+        # constrained request's mean time per token since it came is from two differences.
+        self.judged_s = 0.0
+        self.judged = 0
 
     def follow(self, constraint: str | None, abort: Callable[[], None], *,
-               engine_work: bool = True, streamed: bool = True) -> Followed:
+               engine_work: bool = True, streamed: bool = True, per_event: int = 1) -> Followed:
         """The request at the engine until the returned Followed is left (a context manager).
         `constraint` names its output constraint (the gate found it), None if it has none.
         `abort` cancels its exchange; a peer that comes while the engine is already slow gets
         the costly one aborted at once. A request that is no engine work (a pass-through:
-        models, tokenize, a stored response) is not followed."""
-        followed = Followed(self, self.clock(), constraint, abort, streamed=streamed)
+        models, tokenize, a stored response) is not followed. `per_event`: tokens_per_event."""
+        followed = Followed(self, self.clock(), constraint, abort, per_event, streamed=streamed,
+                            came_s=self.judged_s, came_gaps=self.judged)
         if not engine_work:
             followed.watched = False
             return followed
@@ -197,6 +248,11 @@ class CostWatch:
                 peer.gaps.clear()
                 peer.began.clear()
 
+    def paced(self, followed: Followed) -> float:
+        """A constrained request's mean time per token since it came (0.0: none judged yet)."""
+        gaps = self.judged - followed.came_gaps
+        return (self.judged_s - followed.came_s) / gaps if gaps else 0.0
+
     def norm_s(self) -> float:
         floor = self._limits.slow_norm_floor_s
         return max(statistics.median(self.norm), floor) if self.norm else floor
@@ -214,9 +270,12 @@ class CostWatch:
             return
         # Only one that was at the engine when the slow steps began can have made them slow: a
         # constrained request that comes to an engine already slow is not the cause.
-        suspect = next((f for f in self._at_engine
-                        if f.constraint is not None and f.since <= slow.began[0]), None)
-        if suspect is None or suspect.constraint is None:
+        suspects = [f for f in self._at_engine
+                    if f.constraint is not None and f.since <= slow.began[0]]
+        if not suspects:
+            return
+        suspect = max(reversed(suspects), key=self.paced)  # max keeps the first: the latest
+        if suspect.constraint is None:
             return
         suspect.verdict = Verdict(suspect.constraint, statistics.median(slow.gaps), norm, bound,
                                   suspect.tokens, self.clock() - suspect.since,

@@ -1,10 +1,12 @@
-"""Bounds on how much work one body holds: messages per conversation, prompts per request."""
+"""Bounds on how much work one body holds: messages per conversation, prompts per request, and
+the sequences it makes the engine run at once (what admission counts it as)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from appliance.admission.clients import Client
 from appliance.errors import BadRequest
 
 
@@ -47,3 +49,32 @@ def _check_fanout(items: list[Any], key: str, what: str, max_prompts: int) -> No
         raise BadRequest(f"'{key}' holds {len(items)} {what}; at most {max_prompts} are "
                          "accepted per request (setting policy.max_batch_prompts).",
                          param=key, code="too_many_prompts")
+
+
+def batch_size(items: Any) -> int:
+    """The prompts a `prompt` field holds: a list of texts or of token lists is a batch; a text
+    or one token list is one prompt."""
+    if isinstance(items, list) and items and not isinstance(items[0], int):
+        return len(items)
+    return 1
+
+
+def sequences(prompts: int, body: Mapping[str, Any]) -> int:
+    """The sequences the engine runs at once for `prompts` prompts: `n` of each (the gate's
+    field check has made `n` an integer, and check_n bounded it)."""
+    n = body.get("n")
+    return prompts * (n if isinstance(n, int) and n > 1 else 1)
+
+
+def check_sequences(count: int, param: str, max_inflight: int, client: Client) -> None:
+    """A fan-out that alone exceeds an in-flight limit would wait for ever: refused at once,
+    naming the limit (the global policy.max_inflight or the client's own max_inflight)."""
+    if count > max_inflight:
+        limit = f"policy.max_inflight, {max_inflight}"
+    elif client.max_inflight is not None and count > client.max_inflight:
+        limit = f"client '{client.name}' max_inflight, {client.max_inflight}"
+    else:
+        return
+    raise BadRequest(f"the request makes the engine run {count} sequences at once (prompts x "
+                     f"'n'), more than the limit ({limit}) on what one client may hold; split "
+                     "it into smaller requests.", param=param, code="too_many_sequences")

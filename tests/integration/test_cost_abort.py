@@ -62,3 +62,30 @@ def test_a_costly_request_not_streamed_is_caught_through_a_streamed_peer(
     sender.join()
     assert answers[0].status_code == 400, answers[0].text
     assert answers[0].json()["error"]["code"] == "request_too_costly"
+
+
+def test_a_stream_of_many_tokens_an_event_gets_no_constrained_request_aborted(
+        worker: Appliance) -> None:
+    """Issue 35 #6: a client streaming with stream_interval 12 (an event each 12 steps) beside
+    another client's regex-constrained request, running at the engine's pace: the watch counts
+    the event's tokens, and nobody is aborted."""
+    before = len(aborted(worker))
+    body = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 400,
+            "ignore_eos": True, "stream": True, "stream_interval": 12}
+    constrained = {"messages": [{"role": "user", "content": "Write a sentence."}],
+                   "max_tokens": 120, "ignore_eos": True,
+                   "structured_outputs": {"regex": "[a-z ]+"}}
+    with httpx.Client(base_url=worker.url, timeout=600) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as interval:
+        lines = interval.iter_lines()
+        events = 0
+        while events < 2:  # its tokens come many at once now
+            events += next(lines).startswith("data: {")
+        started = time.perf_counter()
+        answer = client.post("/v1/chat/completions", json=constrained)
+        took_s = time.perf_counter() - started
+        tail = [line for line in lines if line.startswith("data: {")]
+    print(f"\nconstrained request beside a stream_interval 12 stream: {took_s:.2f} s")
+    assert answer.status_code == 200, answer.text
+    assert aborted(worker)[before:] == []
+    assert tail and '"error"' not in tail[-1]

@@ -18,7 +18,7 @@ from appliance.apis.counting import (
     rendered_bound,
 )
 from appliance.apis.openai.api import CHAT, OPENAI
-from appliance.policy import fields, surface
+from appliance.policy import fanout, fields, surface
 from appliance.policy.fanout import check_conversations
 from appliance.policy.max_tokens import CHAT_BUDGET
 from appliance.settings import PolicySettings, Settings
@@ -36,6 +36,12 @@ class BatchChatApi(GenerationApi):
 
     def check_size(self, body: Mapping[str, Any], limits: PolicySettings) -> None:
         check_conversations(body, limits.max_batch_prompts)
+
+    def sequences(self, body: Mapping[str, Any]) -> tuple[int, str]:
+        """Each conversation is a sequence, `n` times."""
+        conversations = body.get("messages")
+        count = len(conversations) if isinstance(conversations, list) else 1
+        return fanout.sequences(count, body), "messages" if count > 1 else "n"
 
     def media(self, body: Mapping[str, Any]) -> list[policy.MediaPart]:
         return policy.find_batch_media_parts(body)

@@ -1,12 +1,17 @@
 """Whose stored Responses-API answer each id names, and which worker stored it.
 
 vLLM keeps stored responses in the worker's memory, under the id the request's `request_id`
-gave, for anyone who names it: it knows no clients. So the appliance remembers, for the last N
-ids it created, the client that made each one and the worker that served it. An id is reached
-(retrieved, cancelled, continued with `previous_response_id`) only by its own client: for
-anyone else, and for an id the appliance does not know, the answer is the same 404, without
+gave, for anyone who names it: it knows no clients. So the appliance remembers, for each
+client's last N ids, the client that made each one and the worker that served it. An id is
+reached (retrieved, cancelled, continued with `previous_response_id`) only by its own client:
+for anyone else, and for an id the appliance does not know, the answer is the same 404, without
 asking the worker. An id another client's response has cannot be chosen again. A worker's 404
 for an id the appliance knows says whether a restart lost it.
+
+An id is recorded only once its request is admitted (a refused request leaves no trace), and
+each client's ids are bounded on their own: a client making many responses forgets its own
+oldest, never another client's. Client names are bounded by the configuration (named clients
+and the one anonymous client), so the map is too.
 """
 
 from __future__ import annotations
@@ -28,30 +33,39 @@ class _Made:
 
 
 class ResponseIds:
-    """A bounded map response id -> (client, worker pid), oldest forgotten first."""
+    """Response id -> (client, worker pid), at most `capacity` ids per client, each client's
+    oldest forgotten first."""
 
     def __init__(self, engine: EngineView, capacity: int) -> None:
         self._engine = engine
         self._capacity = capacity
-        self._made: OrderedDict[str, _Made] = OrderedDict()
+        self._made: dict[str, _Made] = {}
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # client -> its ids, oldest first
 
     def __len__(self) -> int:
         return len(self._made)
 
-    def created(self, response_id: str, owner: str, *, stored: bool) -> None:
-        """`owner` makes a response under this id, with the worker serving now; refused (400)
-        when another client's response has the id."""
+    def claim(self, response_id: str, owner: str) -> None:
+        """Refused (400) when another client's response has the id; records nothing."""
         made = self._made.get(response_id)
         if made is not None and made.owner != owner:
             raise BadRequest("'request_id' names a response that is not yours; leave it out and "
                              "the appliance names the response.", param="request_id",
                              code="request_id_taken", reason="request_id_taken")
+
+    def created(self, response_id: str, owner: str, *, stored: bool) -> None:
+        """`owner`'s admitted request makes a response under this id, with the worker serving
+        now (claimed again: another client may have taken the id while this one waited)."""
+        self.claim(response_id, owner)
         if not stored:
             return
         self._made[response_id] = _Made(owner, self._engine.pid)
-        self._made.move_to_end(response_id)
-        while len(self._made) > self._capacity:
-            self._made.popitem(last=False)
+        owned = self._owned.setdefault(owner, OrderedDict())
+        owned[response_id] = None
+        owned.move_to_end(response_id)
+        while len(owned) > self._capacity:
+            forgotten, _ = owned.popitem(last=False)
+            del self._made[forgotten]
 
     def reach(self, response_id: str, owner: str, param: str) -> None:
         """Raises the unknown id's 404 unless `owner` made the response."""

@@ -35,7 +35,10 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
         previous = body.get("previous_response_id")
         if isinstance(previous, str):
             ids.reach(previous, owner, "previous_response_id")
-        ids.created(body["request_id"], owner, stored=body.get("store") is not False)
+        response_id, stored = body["request_id"], body.get("store") is not False
+        ids.claim(response_id, owner)
+        # Recorded once admitted: a refused request must not push anyone's ids out.
+        vetted.admitted = lambda: ids.created(response_id, owner, stored=stored)
         vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
 
     def stored(request: Request[Any, Any, Any], route: WorkerRoute, response_id: str,

@@ -487,7 +487,7 @@ async def test_a_too_costly_answer_not_yet_begun_is_a_400_in_the_routes_shape() 
         with setup.cost.follow(None, lambda: None) as followed:
             await peer_tokens.wait()
             for _ in range(4):
-                followed.progressed(1)
+                followed.progressed(b"data: {}\n\n")
 
     streamed = asyncio.create_task(peer())
     await setup.run(chat(api=MESSAGES, **GRAMMAR))

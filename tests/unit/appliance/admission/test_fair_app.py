@@ -216,7 +216,7 @@ async def test_a_waiter_that_is_never_admitted_gets_429_with_retry_after_from_th
         assert (await long).status_code == 200
     assert refused.status_code == 429
     error = refused.json()["error"]
-    assert error["code"] == "queue_timeout" and "1 requests in flight" in error["message"]
+    assert error["code"] == "queue_timeout" and "1 sequences in flight" in error["message"]
     assert int(refused.headers["retry-after"]) >= 1
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from appliance.apis.responses.response_ids import ResponseIds
+from appliance.errors import NotFound
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio
@@ -88,3 +90,47 @@ async def test_the_oldest_ids_beyond_the_tracked_number_are_nobodys() -> None:
         for who in ("owner", "other"):
             gone = await client.get(f"/v1/responses/{first}", headers=auth(who))
             assert gone.status_code == 404
+
+
+async def test_refused_creates_leave_no_trace_and_a_clients_ids_push_out_only_its_own() -> None:
+    """Issue 35 #7: another client's creates, refused by its own limit or admitted past its
+    own bound, never make the owner's stored response answer 404."""
+    clients = {"clients": [{"name": "owner", "key": KEYS["owner"]},
+                           {"name": "other", "key": KEYS["other"], "tokens_per_minute": 1}]}
+    async with upstream() as (_fake, url), appliance(
+            FakeEngine(url), admission=clients, policy={"max_tracked_responses": 2}) as client:
+        mine = (await client.post("/v1/responses", json=RESPONSES,
+                                  headers=auth("owner"))).json()["id"]
+        made = await client.post("/v1/responses", json=RESPONSES, headers=auth("other"))
+        assert made.status_code == 200  # its minute's token is spent now
+        await client.get("/metrics")  # its own series are made by the first scrape
+        series = None
+        for attempt in range(4):
+            refused = await client.post("/v1/responses", headers=auth("other"),
+                                        json=RESPONSES | {"request_id": f"resp_refused_{attempt}"})
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "client_tokens_per_minute"
+            metrics = (await client.get("/metrics")).text
+            now = sorted(line.rsplit(" ", 1)[0] for line in metrics.splitlines()
+                         if line.startswith("appliance_") and "_created" not in line)
+            assert series is None or now == series  # no series per refused request
+            series = now
+        assert "appliance_requests_in_flight 0.0" in metrics
+        # A refused id was never recorded: it is anybody's to take, and nobody's to read.
+        free = await client.post("/v1/responses", headers=auth("owner"),
+                                 json=RESPONSES | {"request_id": "resp_refused_3"})
+        assert free.status_code == 200, free.text
+        kept = await client.get(f"/v1/responses/{mine}", headers=auth("owner"))
+        assert kept.status_code == 200, kept.text
+
+
+def test_each_client_forgets_its_own_oldest_ids_never_another_clients() -> None:
+    ids = ResponseIds(FakeEngine("http://unused"), capacity=2)
+    ids.created("mine", "owner", stored=True)
+    for number in range(5):
+        ids.created(f"theirs_{number}", "other", stored=True)
+    ids.reach("mine", "owner", "response_id")  # still known: no 404
+    ids.reach("theirs_4", "other", "response_id")
+    with pytest.raises(NotFound):
+        ids.reach("theirs_2", "other", "response_id")  # its own third-newest: forgotten
+    assert len(ids) == 3

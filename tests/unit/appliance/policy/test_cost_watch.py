@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from appliance.policy.constraints import check_constraints
-from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.policy.cost_watch import CostWatch, Followed, tokens_in, tokens_per_event
 from appliance.settings import ConstraintSettings
 
 # Each request as the watch follows it: by its constraint's parameter, as the gate names it.
@@ -23,6 +23,16 @@ SCHEMA = check_constraints(
                          "json_schema": {"name": "x", "schema": {"type": "object"}}}},
     ConstraintSettings())
 PLAIN = check_constraints({"messages": [{"role": "user", "content": "hi"}]}, ConstraintSettings())
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'  # one token, no ids
+
+
+def with_ids(count: int) -> bytes:
+    """A chat event as vLLM 0.32 writes it with return_token_ids: `count` tokens at once."""
+    ids = ",".join(str(100 + i) for i in range(count))
+    return (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+            b'"model":"m","choices":[{"index":0,"delta":{"content":"' + b"a" * count +
+            b'"},"logprobs":null,"finish_reason":null,"token_ids":[' + ids.encode() +
+            b']}]}\n\n')
 
 
 class Clock:
@@ -43,16 +53,16 @@ class Bench:
         self.aborted: list[str] = []
         self.stack = contextlib.ExitStack()
 
-    def follow(self, name: str, constraint: str | None) -> Followed:
+    def follow(self, name: str, constraint: str | None, per_event: int = 1) -> Followed:
         return self.stack.enter_context(
-            self.watch.follow(constraint, lambda: self.aborted.append(name)))
+            self.watch.follow(constraint, lambda: self.aborted.append(name), per_event=per_event))
 
     def tokens(self, followed: list[Followed], count: int, step_s: float) -> None:
         """`count` engine steps of `step_s`, each giving every streamed request a token."""
         for _ in range(count):
             self.clock.now += step_s
             for one in followed:
-                one.progressed(1)
+                one.progressed(EVENT)
 
 
 @contextlib.contextmanager
@@ -99,16 +109,67 @@ def test_a_non_streamed_costly_request_is_caught_through_a_streamed_peer() -> No
         assert b.aborted == ["costly"]
 
 
-def test_the_oldest_constrained_request_goes_first_then_the_next_if_steps_stay_slow() -> None:
+def test_the_constrained_request_whose_stay_is_slowest_goes_not_the_oldest() -> None:
+    """Issue 35 #6: a cheap constrained request ran at the norm before a costly one came; the
+    costly one is aborted, and the cheap one finishes once the steps are back at the norm."""
+    with bench() as b:
+        victim = b.follow("victim", PLAIN)
+        b.tokens([victim], 10, 0.05)  # the norm
+        cheap = b.follow("cheap", SCHEMA)
+        b.tokens([victim, cheap], 20, 0.05)
+        costly = b.follow("costly", GRAMMAR)
+        b.tokens([victim, cheap, costly], 4, 0.5)
+        assert b.aborted == ["costly"]
+        assert b.watch.paced(cheap) < 0.5  # its stay ran mostly at the norm
+        b.tokens([victim, cheap], 20, 0.05)
+        assert b.aborted == ["costly"]
+
+
+def test_of_two_that_came_together_the_later_goes_first_then_the_next_if_steps_stay_slow(
+) -> None:
     with bench() as b:
         first, second = b.follow("first", GRAMMAR), b.follow("second", SCHEMA)
         b.tokens([first, second], 4, 0.5)
-        assert b.aborted == ["first"]
-        b.tokens([second], 4, 0.5)  # alone now: nobody else waits
-        assert b.aborted == ["first"]
+        assert b.aborted == ["second"]  # the same pace since each came: the later one's coming
+        b.tokens([first], 4, 0.5)  # alone now: nobody else waits
+        assert b.aborted == ["second"]
         victim = b.follow("victim", PLAIN)
-        b.tokens([second, victim], 2, 0.5)  # judged on steps after the abort: a fresh window
-        assert b.aborted == ["first", "second"]
+        b.tokens([first, victim], 2, 0.5)  # judged on steps after the abort: a fresh window
+        assert b.aborted == ["second", "first"]
+
+
+def test_an_event_of_many_tokens_is_that_many_steps_not_one_slow_one() -> None:
+    """Issue 35 #6: a client streaming with stream_interval 12 gets an event each 12 steps; its
+    gaps are divided by the tokens the event carries (its ids, else its stream_interval), so a
+    constrained request beside it at the norm is left alone."""
+    for per_event, event in ((1, with_ids(12)), (12, EVENT)):
+        with bench() as b:
+            plain = b.follow("plain", PLAIN)
+            b.tokens([plain], 10, 0.05)  # the norm
+            interval = b.follow("interval", PLAIN, per_event=per_event)
+            constrained = b.follow("constrained", SCHEMA)
+            for _ in range(10):
+                for _ in range(12):
+                    b.clock.now += 0.05
+                    constrained.progressed(EVENT)
+                interval.progressed(event)
+            assert b.aborted == [], per_event
+            assert interval.gaps is not None
+            assert list(interval.gaps) == pytest.approx([0.05] * 3)
+            assert interval.tokens == 120
+
+
+def test_the_tokens_of_a_read_are_its_generated_ids_else_its_events_times_the_interval(
+) -> None:
+    two_events = with_ids(3) + with_ids(1)
+    assert tokens_in(two_events, 12) == 4  # the ids decide, whatever the interval
+    first = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+             b'"token_ids":null}],"prompt_token_ids":[1,2,3,4,5]}\n\n')
+    assert tokens_in(first, 1) == 1  # no generated ids to count: one event
+    assert tokens_in(first.replace(b"null", b"[]"), 1) == 0  # a role event: no token
+    assert tokens_in(b"data: [DONE]\n\n" + EVENT, 12) == 24
+    assert tokens_per_event({"stream_interval": 12}) == 12
+    assert tokens_per_event({"stream_interval": "12"}) == tokens_per_event({}) == 1
 
 
 def test_no_abort_without_a_constraint_within_the_bound_or_with_the_setting_off() -> None:
