@@ -20,6 +20,8 @@ import pytest
 from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.support.isolation import clean_env
 
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
+
 OLD, NEW, NEWER = "sk-old-key", "sk-new-key", "sk-newer-key"
 
 

@@ -44,6 +44,8 @@ from tests.support.certs import self_signed
 from tests.support.processes import terminate
 from tests.support.stack import running_stack
 
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
+
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 TOKENS = 16  # every load request asks for this many; the synthetic worker answers exactly that many

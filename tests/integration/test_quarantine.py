@@ -16,9 +16,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.metrics_text import value
+
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
 
 MARKER = "synthetic:die"
 ATTEMPTS = 12  # the marker's client: enough to trip the crash-loop guard without the quarantine
