@@ -20,6 +20,8 @@ import pytest
 from tests.integration.harness import Appliance, running_synthetic_appliance
 from tests.support.isolation import clean_env
 
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
+
 OLD, NEW, NEWER = "sk-old-key", "sk-new-key", "sk-newer-key"
 
 
@@ -83,7 +85,7 @@ def test_reload_command_rotates_the_key_and_the_request_in_flight_finishes(
     assert "clients app" in result.stdout
     assert status(appliance, OLD) == 401 and status(appliance, NEW) == 200
     in_flight.join(30)
-    assert len(lines) == 41 and lines[-1] == "data: [DONE]"
+    assert len(lines) == 42 and lines[-1] == "data: [DONE]"  # the role's event, 40 tokens
     # In order: the new table was in force before the old key's stream finished.
     # The request's line is written just after its answer went out: wait for it.
     def finished_ok(e: dict[str, object]) -> bool:

@@ -1,5 +1,6 @@
 """A hang seen in seconds whatever the engine was doing, and the bundle each death leaves,
-against the real vLLM CPU worker (one boot, default watch settings; faults restart by fork).
+against the real vLLM CPU worker (one boot, default watch settings but a shorter stall bound;
+faults restart by fork).
 
 The bound asserted is loose on purpose (two shared cores): the bar, 10 s, is measured by
 `python -m load.bench_restart --hangs`; these fail on the old behaviour (47 s through the idle
@@ -8,6 +9,7 @@ canary; 34 s through three /health timeouts).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -22,9 +24,15 @@ import httpx
 import psutil
 import pytest
 
+from appliance.fences.vllm import METRICS_PATH
+from supervisor.engine.stats import EngineStats, parse_engine_stats
 from tests.integration.harness import Appliance, long_stream, running_appliance, worker_tree
 
 GUARD_S = 20  # declared well before the old 34-47 s, with room for a loaded machine
+# Below the default (5 s) so that the longest prefill the window allows outlasts it on a fast CI
+# machine too; a hang is still declared from the other signs (no CPU used, no runnable thread).
+STALL_S = 2.0
+READ_EVERY_S = 0.2  # the long prefill's reads of the worker's counters
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
@@ -35,7 +43,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Applianc
     # Resume off: what a hang does to the requests it meets, as the client sees it without
     # resume (test_resume.py shows them outliving it).
     with running_appliance(root, crashes__dir=str(crashes), resume__enabled="false",
-                           supervisor__crash_loop_restarts="100") as appliance:
+                           supervisor__crash_loop_restarts="100",
+                           supervisor__hang_stall_s=str(STALL_S)) as appliance:
         appliance.wait_ready()
         yield appliance, crashes
 
@@ -147,17 +156,52 @@ def test_kill_9_leaves_one_bundle_that_the_crashes_command_shows(
 
 def test_a_long_prefill_is_not_a_hang(watched: tuple[Appliance, Path]) -> None:
     """The longest prompt the window allows, a request the appliance has waiting on the
-    worker with no token for as long as the prefill runs: the same worker answers it."""
+    worker with no token for as long as the prefill runs: the engine's progress counters stand
+    still for longer than `hang_stall_s` while it is busy, and the same worker answers it."""
     appliance, _ = watched
     before = appliance.wait_ready()
     ids = list(range(1000, 1000 + 1900))  # ordinary vocabulary ids: about 1900 prompt tokens
     prompt = appliance.engine_call("POST", "/detokenize", timeout_s=60, json={
         "model": _model(appliance), "tokens": ids}).json()["prompt"]
-    response = httpx.post(f"{appliance.url}/v1/completions", timeout=600,
-                          json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
-    after = appliance.health().json()
+    done = threading.Event()
+    samples: list[tuple[float, EngineStats]] = []
+
+    def watch() -> None:  # the worker's own counters, as the progress watch reads them
+        while not done.is_set():
+            samples.append((time.monotonic(), parse_engine_stats(
+                appliance.engine_get(METRICS_PATH).text)))
+            time.sleep(READ_EVERY_S)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        response = httpx.post(f"{appliance.url}/v1/completions", timeout=600,
+                              json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    finally:
+        done.set()
+        watcher.join(30)
     assert response.status_code == 200, response.text[:300]
+    after = appliance.health().json()
+    # Less one read's interval: the first read may come just before the request is sent.
+    still_s = longest_stillness(samples) - READ_EVERY_S
+    print(f"prefill: the engine's counters stood still {still_s:.1f} s with the request in it")
+    assert still_s > STALL_S, "the prefill never reached the stall bound"
     assert (after["pid"], after["restarts"]) == (before["pid"], before["restarts"])
+
+
+def longest_stillness(samples: list[tuple[float, EngineStats]]) -> float:
+    """The longest span between two reads whose progress counters did not move in between.
+    (Not the engine's busy gauges: vLLM records them, as the counters, only when a step yields
+    output, so a prefill may leave them at idle; the watch counts the appliance's own requests
+    waiting on the worker as busy, and these reads are taken only while one is.)"""
+    longest, since = 0.0, None
+    for (then, earlier), (now, stats) in itertools.pairwise(samples):
+        if stats.progress == earlier.progress:
+            since = then if since is None else since
+            longest = max(longest, now - since)
+        else:
+            since = None
+    return longest
 
 
 def _model(appliance: Appliance) -> str:

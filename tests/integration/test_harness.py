@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from supervisor.engine.worker import session_members
 from tests.integration.harness import running_synthetic_appliance
+
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
 
 
 def test_a_worker_left_by_a_killed_supervisor_is_killed_by_the_guard(tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ import pytest
 from tests.integration.harness import running_synthetic_appliance
 from tests.monitoring_names import GPU_ONLY, exposed_names, names_used
 
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
+
 
 @pytest.fixture(scope="module")
 def metrics_text(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from tests.integration.harness import Appliance, running_appliance, running_synthetic_appliance
 from tests.metrics_text import value
@@ -50,6 +51,7 @@ def quarantined_id(events: list[dict[str, object]]) -> object:
     return next(e.get("request_id") for e in events if e.get("event") == "request.quarantined")
 
 
+@pytest.mark.synthetic  # no vLLM: the synthetic worker dies on its marker
 def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_served(
         tmp_path: Path) -> None:
     with running_synthetic_appliance(tmp_path, "--die-on", MARKER, "--tokens", "4",

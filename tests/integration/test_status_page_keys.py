@@ -16,6 +16,8 @@ import pytest
 from tests.integration.browser import Page, chromium
 from tests.integration.harness import running_synthetic_appliance
 
+pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
+
 KEY = "sk-page-test-4f1c9b2e7d"
 UPDATE_S = 15
 

@@ -20,6 +20,8 @@ from tests.integration.browser import chromium
 from tests.net import free_port
 from tests.unit.appliance.fakes import FakeEngine
 
+pytestmark = pytest.mark.synthetic  # no vLLM: a fake engine view, in-process
+
 GIB = 1024**3
 GPU = {"status": "unhealthy", "name": "NVIDIA H200", "uuid": "GPU-0", "memory_used_bytes": 80 * GIB,
        "memory_total_bytes": 141 * GIB, "utilization_pct": 93, "temperature_c": 87,

@@ -8,7 +8,8 @@ count, as vLLM names it, and how often /tokenize and generation were called) and
 /v1/chat/completions/batch, /detokenize and /version. A completion's id is made from the
 X-Request-Id it was sent, as vLLM makes it.
 
-Options that make it behave like the real worker where tests need it to:
+Options that make it behave like the real worker where tests need it to (the markers and
+vLLM's answers are in tests/support/vllm_shapes.py):
   --faults       a prompt or message holding REJECT_MARKER, or a `prompt_embeds` (vLLM refuses it
                  unless started with --enable-prompt-embeds), gets vLLM's own 400 shape (an integer
                  code, type "BadRequestError"); one holding CRASH_MARKER, or a `structured_outputs`
@@ -35,10 +36,10 @@ from urllib.parse import parse_qs
 
 import uvicorn
 
+from tests.support import vllm_shapes as shapes
+
 Scope = dict[str, Any]
 MAX_MODEL_LEN = 2048
-REJECT_MARKER = "synthetic:reject"
-CRASH_MARKER = "synthetic:crash"
 CRASH_CLOSE_DELAY_S = 0.2
 
 
@@ -61,7 +62,7 @@ class SyntheticWorker:
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
         self.generated = 0
         self.generated_tokens = 0  # as vLLM's counter: moves with every token, streamed or not
-        self.word = "tok "  # each streamed chat/completion token's text
+        self.word = "tok "  # each streamed token's text; `{n}` in it: the token's number
         self._dropping: set[object] = set()  # connections (client addresses) about to be dropped
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
@@ -102,7 +103,9 @@ class SyntheticWorker:
             self.tokenized += 1
             self.counted.append(json.loads(body or b"{}"))
             count = _prompt_tokens(self.counted[-1])
-            await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": []})
+            await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN,
+                                    "tokens": [1000 + i for i in range(count)],
+                                    "token_strs": None})
         elif path in ("/metrics", "/metrics/"):
             text = (f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
                     f'vllm:generation_tokens_total{{model_name="{self.model}"}} '
@@ -124,7 +127,7 @@ class SyntheticWorker:
         self.generated += 1
         if self.die_on is not None and self.die_on in json.dumps(request):
             os.kill(os.getpid(), signal.SIGKILL)
-        fault = _vllm_fault(request) if self.faults else None
+        fault = shapes.vllm_fault(request) if self.faults else None
         if fault is not None:
             await _json(send, fault["error"]["code"], fault)
             if fault["error"]["code"] == 500:
@@ -200,7 +203,8 @@ class SyntheticWorker:
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                            "finish_reason": "length"} if chat else
                           {"index": 0, "text": text, "finish_reason": "length"})
-                await _json(send, 200, {"id": completion_id, "object": "chat.completion",
+                await _json(send, 200, {"id": completion_id,
+                                        "object": "chat.completion" if chat else "text_completion",
                                         "created": int(time.time()), "model": self.model,
                                         "choices": [choice],
                                         "system_fingerprint": FINGERPRINT,
@@ -212,31 +216,35 @@ class SyntheticWorker:
 
     async def _stream(self, send: Any, chat: bool, count: int, completion_id: str,
                       usage: tuple[int, int] | None, ids: int | None = None) -> None:
-        """As vLLM: the last token's event says why it finished and carries the fingerprint,
-        unless usage was asked, which then comes in an event of its own that carries it. Where
-        token ids were asked (`ids`: the prompt's length), each event carries its token's, and
-        the first event the prompt's too. Each choice is written as vLLM 0.32 writes it (its
-        fields, their order, the nulls), so that the appliance's one-pass cut of the ids
-        (appliance/recovery/stream.py) is measured on the bytes it meets."""
+        """As vLLM 0.32 writes it (tests/unit/support/test_synthetic_upstream.py compares the
+        two): a chat stream opens with the role's event, which carries the prompt's fields
+        after its choices (its ids where token ids were asked, `ids` being the prompt's
+        length); a completions stream carries them in its first choice. The last token's event
+        says why it finished and carries the fingerprint, unless usage was asked, which then
+        comes in an event of its own that carries it. Every other token event ends with its
+        choices (appliance/fences/vllm.py, TOKEN_EVENT_END), so that the appliance's one-pass
+        cut of the ids (appliance/recovery/stream.py) is measured on the bytes it meets."""
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
+        head = {"id": completion_id, "object": "chat.completion.chunk" if chat else
+                "text_completion", "created": int(time.time()), "model": self.model}
+        prompt_ids = [1] * ids if ids is not None else None
+        if chat:
+            await self._event(send, head | {"choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}], "prompt_token_ids": prompt_ids, "prompt_text": None})
         for i in range(count):
             finish = "length" if i == count - 1 else None
-            # The choice's fields in vLLM's order, ids or null (`"token_ids":null` when not asked).
-            delta: dict[str, Any] = (
-                {"index": 0, "delta": {"content": self.word}, "logprobs": None,
+            token_ids = [1000 + i] if ids is not None else None
+            choice: dict[str, Any] = (
+                {"index": 0, "delta": {"content": self.text(i)}, "logprobs": None,
                  "finish_reason": finish} if chat else
-                {"index": 0, "text": self.word, "logprobs": None, "finish_reason": finish,
-                 "stop_reason": None, "prompt_token_ids": None})
+                {"index": 0, "text": self.text(i), "logprobs": None, "finish_reason": finish,
+                 "stop_reason": None, "prompt_token_ids": prompt_ids if i == 0 else None})
             if chat and finish:
-                delta["stop_reason"] = None
-            delta["token_ids"] = [1000 + i] if ids is not None else None
-            # "n": the event's number, for tests; before the choices, which vLLM's token
-            # events end with (appliance/fences/vllm.py, TOKEN_EVENT_END).
-            chunk = {"id": completion_id, "object": "chat.completion.chunk",
-                     "created": 0, "model": self.model, "n": i, "choices": [delta]}
-            if ids is not None and i == 0:
-                (chunk if chat else delta)["prompt_token_ids"] = [1] * ids
+                choice["stop_reason"] = None
+            choice["token_ids"] = token_ids
+            chunk = head | {"choices": [choice]}
             self.generated_tokens += 1
             if finish and usage is None:
                 chunk["system_fingerprint"] = FINGERPRINT
@@ -245,14 +253,18 @@ class SyntheticWorker:
                 await asyncio.sleep(self.delay)
         if usage is not None:
             prompt, completion = usage
-            await self._event(send, {"id": completion_id, "object": "chat.completion.chunk",
-                                     "created": 0, "model": self.model, "choices": [],
-                                     "usage": {"prompt_tokens": prompt,
-                                               "total_tokens": prompt + completion,
-                                               "completion_tokens": completion},
-                                     "system_fingerprint": FINGERPRINT})
+            await self._event(send, head | {"choices": [],
+                                            "usage": {"prompt_tokens": prompt,
+                                                      "total_tokens": prompt + completion,
+                                                      "completion_tokens": completion},
+                                            "system_fingerprint": FINGERPRINT})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
                     "more_body": False})
+
+    def text(self, i: int) -> str:
+        """Token `i`'s text: `word`, its `{n}` replaced by the token's number (tests that
+        check order and completeness read it back; vLLM's events carry no number)."""
+        return self.word.replace("{n}", str(i))
 
     @staticmethod
     async def _event(send: Any, chunk: dict[str, Any]) -> None:
@@ -267,41 +279,29 @@ class SyntheticWorker:
                 "type": "invalid_request_error", "param": "response_id", "code": 404}})
             return
         response_id = request.get("request_id") or "resp_synthetic"
-        answer = {"id": response_id, "object": "response", "status": "completed",
-                  "model": self.model, "output": [{"type": "message", "role": "assistant",
-                                                   "content": [{"type": "output_text",
-                                                                "text": "tok " * count}]}],
-                  "usage": {"input_tokens": _prompt_tokens(request), "output_tokens": count}}
+        text = "".join(self.text(i) for i in range(count))
+        budget = request.get("max_output_tokens")
+        answer = shapes.response(response_id, self.model, request, text,
+                                 _prompt_tokens(request), count, cut=count == budget)
         if request.get("store", True):
             self.stored[response_id] = answer
         if not request.get("stream"):
             await _json(send, 200, answer)
             return
-        events = [("response.created", {"response": answer | {"status": "in_progress"}}),
-                  *(("response.output_text.delta", {"delta": "tok "}) for _ in range(count)),
-                  ("response.completed", {"response": answer})]
-        await self._events(send, [(name, {"type": name, "sequence_number": n, **data})
-                                  for n, (name, data) in enumerate(events)])
+        await self._events(send, shapes.response_events(answer, [self.text(i)
+                                                                 for i in range(count)]))
 
     async def _messages(self, request: dict[str, Any], count: int, send: Any) -> None:
         usage = {"input_tokens": _prompt_tokens(request), "output_tokens": count}
+        text = "".join(self.text(i) for i in range(count))
+        message = {"id": "msg_synthetic", "type": "message", "role": "assistant",
+                   "content": [{"type": "text", "text": text}], "model": self.model,
+                   "stop_reason": "max_tokens", "stop_sequence": None, "usage": usage}
         if not request.get("stream"):
-            await _json(send, 200, {"id": "msg_synthetic", "type": "message", "role": "assistant",
-                                    "model": self.model, "stop_reason": "max_tokens",
-                                    "content": [{"type": "text", "text": "tok " * count}],
-                                    "usage": usage})
+            await _json(send, 200, message)
             return
-        delta = {"type": "content_block_delta", "index": 0,
-                 "delta": {"type": "text_delta", "text": "tok "}}
-        # As vLLM: the usage so far in message_start, the total in message_delta.
-        start = {"type": "message_start", "message": {
-            "id": "msg_synthetic", "type": "message", "role": "assistant", "content": [],
-            "model": self.model, "usage": usage | {"output_tokens": 0}}}
-        end = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage}
-        await self._events(send, [("message_start", start),
-                                  *(("content_block_delta", delta) for _ in range(count)),
-                                  ("message_delta", end),
-                                  ("message_stop", {"type": "message_stop"})])
+        await self._events(send, shapes.message_events(message, [self.text(i)
+                                                                for i in range(count)]))
 
     async def _batch(self, request: dict[str, Any], count: int, send: Any) -> None:
         choices = [{"index": i, "message": {"role": "assistant", "content": "tok " * count},
@@ -343,24 +343,6 @@ def _prompt_tokens(request: dict[str, Any]) -> int:
             or json.dumps([request.get("system"), request.get("messages", "")]
                           if request.get("system") else request.get("messages", "")))
     return max(1, len(str(text)) // 4)
-
-
-def _vllm_fault(request: dict[str, Any]) -> dict[str, Any] | None:
-    """vLLM's own error answer where a field or a marker upsets it (its shape: an integer code)."""
-    text = json.dumps([request.get("prompt"), request.get("messages")])
-    structured = request.get("structured_outputs")
-    if CRASH_MARKER in text or (structured is not None and not isinstance(structured, dict)):
-        return {"error": {"message": "'bool' object has no attribute 'get'",
-                          "type": "InternalServerError", "param": None, "code": 500}}
-    if request.get("prompt_embeds") is not None:  # vLLM without --enable-prompt-embeds
-        return {"error": {"message": "You must set `--enable-prompt-embeds` to input "
-                                     "`prompt_embeds`.", "type": "BadRequestError",
-                          "param": "prompt_embeds", "code": 400}}
-    if REJECT_MARKER in text:
-        return {"error": {"message": "1 validation error for ChatCompletionRequest\n  Value "
-                                     "error, synthetic rejection [type=value_error]",
-                          "type": "BadRequestError", "param": None, "code": 400}}
-    return None
 
 
 def _compact(data: dict[str, Any]) -> str:

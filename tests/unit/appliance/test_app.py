@@ -62,7 +62,7 @@ async def test_stream_is_relayed_chunk_by_chunk_to_done() -> None:
             client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             lines = [line async for line in response.aiter_lines() if line]
-    assert len(lines) == 6 and lines[-1] == "data: [DONE]"
+    assert len(lines) == 7 and lines[-1] == "data: [DONE]"  # the role's event, five tokens
 
 
 async def test_worker_lost_mid_stream_ends_with_sse_error_and_done() -> None:

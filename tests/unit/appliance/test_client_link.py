@@ -56,16 +56,23 @@ class Cycle:
                                          write=self.written.append)
 
 
+NUMBERED = "{n} "  # the synthetic worker's token text: each token's number
+
+
 def sequence(body: bytes) -> list[int]:
-    """The synthetic worker numbers its chunks ("n"); the [DONE] line must end the stream."""
-    events = [e for e in body.decode().split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e.removeprefix("data: "))["n"] for e in events[:-1]]
+    """The numbers of a stream's tokens (its worker's `word` NUMBERED), in the order they came,
+    after the role's event; the [DONE] line must end the stream."""
+    events = [json.loads(e.removeprefix("data: ")) for e in body.decode().split("\n\n")
+              if e and e != "data: [DONE]"]
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    return [int(e["choices"][0]["delta"]["content"].split()[0]) for e in events[1:]]
 
 
 async def test_a_stream_to_a_client_that_keeps_up_goes_direct_and_whole(writes) -> None:  # type: ignore[no-untyped-def]
-    async with upstream(tokens=50, delay=0.002) as (_, url), \
+    async with upstream(tokens=50, delay=0.002) as (fake, url), \
             appliance(FakeEngine(url)) as client:
+        fake.word = NUMBERED
         response = await client.post("/v1/chat/completions", json=CHAT | {"stream": True})
         assert response.status_code == 200
         assert sequence(response.content) == list(range(50))
@@ -87,8 +94,9 @@ async def test_a_direct_stream_keeps_its_records_unread_events_within_the_bound(
         read_kept(self)
 
     monkeypatch.setattr(StreamRecord, "read_kept", counted)
-    async with upstream(tokens=50, delay=0.002) as (_, url), \
+    async with upstream(tokens=50, delay=0.002) as (fake, url), \
             appliance(FakeEngine(url)) as client:
+        fake.word = NUMBERED
         response = await client.post("/v1/chat/completions", json=CHAT | {"stream": True})
         assert sequence(response.content) == list(range(50))
     assert writes[True] >= 40
@@ -101,7 +109,7 @@ async def test_a_client_that_stops_reading_gets_every_event_in_order(writes) -> 
     rest waits in the relay and goes through ASGI, and nothing passes anything."""
     tokens = 2000  # the window is 2048
     async with upstream(tokens=tokens) as (fake, url), appliance(FakeEngine(url)) as client:
-        fake.word = "x" * 5000  # 10 MB in all: more than the sockets between us hold (4 MB)
+        fake.word = NUMBERED + "x" * 5000  # 10 MB in all: more than the sockets between us hold (4 MB)
         port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

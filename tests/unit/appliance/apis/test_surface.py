@@ -102,12 +102,13 @@ async def test_image_block_to_a_text_only_model_never_reaches_the_engine() -> No
 
 
 async def test_messages_stream_lost_mid_way_ends_with_an_anthropic_error_event() -> None:
+    """With resume off (on, the stream waits for the next engine: test_anthropic_resume.py)."""
     async with upstream(tokens=500, delay=0.01) as (fake, url):
         engine = FakeEngine(url)
-        async with appliance(engine) as client:
+        async with appliance(engine, resume={"enabled": False}) as client:
             lines = await stream_until_lost(
                 client, engine, "/v1/messages", MESSAGES | {"max_tokens": 500, "stream": True},
-                after_lines=4)
+                after_lines=6)  # the message's and its block's starts, a token
         assert lines[-2] == "event: error"
         data = json.loads(lines[-1].removeprefix("data: "))
         assert data["type"] == "error" and data["error"]["type"] == "overloaded_error"
@@ -161,12 +162,14 @@ async def test_a_response_id_from_before_a_restart_is_a_404_naming_the_restart()
 
 
 async def test_responses_stream_lost_mid_way_ends_with_error_and_response_failed() -> None:
+    """With resume off (on, the stream waits for the next engine: test_responses_resume.py)."""
     async with upstream(tokens=500, delay=0.01) as (fake, url):
         engine = FakeEngine(url)
-        async with appliance(engine) as client:
+        async with appliance(engine, resume={"enabled": False}) as client:
             lines = await stream_until_lost(
                 client, engine, "/v1/responses",
-                RESPONSES | {"max_output_tokens": 500, "stream": True}, after_lines=6)
+                RESPONSES | {"max_output_tokens": 500, "stream": True},
+                after_lines=10)  # the four events before the text, a token
         created = json.loads(lines[1].removeprefix("data: "))
         assert lines[-4:-3] == ["event: error"] and lines[-2] == "event: response.failed"
         error = json.loads(lines[-3].removeprefix("data: "))

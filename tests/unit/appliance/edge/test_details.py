@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from tests.support.stack import Stack
-from tests.support.synthetic_upstream import MAX_MODEL_LEN, REJECT_MARKER
+from tests.support.synthetic_upstream import MAX_MODEL_LEN
+from tests.support.vllm_shapes import REJECT_MARKER
 
 HI = [{"role": "user", "content": "hi"}]
 CLAMP = "x-max-tokens-clamped"

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from tests.support.stack import Stack
-from tests.support.synthetic_upstream import CRASH_MARKER, REJECT_MARKER
+from tests.support.vllm_shapes import CRASH_MARKER, REJECT_MARKER
 from tests.unit.appliance.edge.shapes import assert_openai_error
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -139,6 +139,20 @@ def test_usage_statistics_stay_on_the_lan_unless_the_operator_says_otherwise() -
     assert (allowed["VLLM_NO_USAGE_STATS"], allowed["DO_NOT_TRACK"]) == ("0", "0")
 
 
+def test_the_worker_downloads_nothing_and_follows_no_media_redirect(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker reads local model directories only, and vLLM's media fetch follows no
+    redirect (the gate's SSRF check cannot vet where one leads), whatever the parent's
+    environment says: these are vLLM's and Hugging Face's own variable names."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1")
+    for device in ("cpu", "cuda"):
+        env = build_env(EngineSettings(device=device))
+        assert (env["HF_HUB_OFFLINE"], env["TRANSFORMERS_OFFLINE"],
+                env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"]) == ("1", "1", "0"), device
+
+
 def test_an_unwritable_cache_root_is_a_warning_that_names_it(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     with structlog.testing.capture_logs() as logs:
