@@ -59,9 +59,8 @@ class _Connection(asyncio.Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._timeout = 0.0
         # One parser for the connection's life: llhttp starts on the next answer where the last
-        # one ended, and a connection is reused only after a whole answer that keeps it alive.
-        # (Making one looks up every callback it may call on this protocol: about 3.7k
-        # instructions, once per exchange when each had its own parser.)
+        # one ended, and a connection is reused only after a whole answer that keeps it alive
+        # (making one looks up every callback it may call on this protocol).
         self._parser = httptools.HttpResponseParser(self)
         self._reset()
 

@@ -7,12 +7,8 @@ can delay when a verdict is read but never makes a healthy worker look dead.
 
 What a probe costs the appliance is mostly waking that thread and running its loop once more
 (its exchange is a dozen syscalls on one kept-alive connection), so the loop is uvloop's, as the
-serving one: per probe at the busy cadence against a uvicorn worker, 0.28 ms of the probe
-thread's CPU against 0.40 on asyncio's own loop. With /metrics read for its series alone, the
-appliance's CPU off its serving loop per second of work fell by a quarter on the real worker
-(0.77 to 0.57 ms; load.bench_cpu --baseline, run both ways round). Each probe goes to the thread
-and back in one call each way (`_on_thread`): the process's CPU per /health probe, both loops
-uvloop's, fell from 0.37-0.41 ms to 0.19-0.20 ms (3000 probes against the synthetic worker).
+serving one, /metrics is read for the series the monitors need alone, and each probe goes to
+the thread and back in one call each way (`_on_thread`). load.bench_cpu measures what they cost.
 """
 
 from __future__ import annotations
