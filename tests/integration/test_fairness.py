@@ -120,7 +120,9 @@ def test_a_better_priority_overtakes_a_backlog_inside_the_engine(fair: Appliance
         assert not finished, "the first request ended before both others waited: nothing shown"
         for future in done:
             future.result()
-    assert finished == ["first", "urgent", "backlog"]
+    # First-come-first-served would finish the urgent one last; vLLM's priority scheduler may
+    # also preempt the running one for it, so it finishes before the backlog, first or second.
+    assert finished.index("urgent") < finished.index("backlog"), finished
 
 
 def normalized(text: str) -> str:

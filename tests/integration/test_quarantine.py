@@ -107,7 +107,7 @@ def test_an_input_that_kills_the_engine_is_quarantined_after_two_deaths_others_s
 
 
 INNOCENT = [{"messages": [{"role": "user", "content": f"Count from {n} to {n + 30}, in words."}],
-             "max_tokens": 100, "temperature": 0} for n in range(8)]
+             "max_tokens": 300, "ignore_eos": True, "temperature": 0} for n in range(8)]
 
 
 def engine_core(appliance: Appliance) -> psutil.Process:
