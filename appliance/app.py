@@ -1,12 +1,17 @@
-"""The Litestar application factory: route families under their guards, one error rendering."""
+"""The API's front door, all the supervisor builds it from: the state it keeps across requests,
+the Litestar application (route families under their guards, one error rendering), and the server
+that puts it on the LAN behind the edge's limits."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from litestar import Litestar, Request, Response, Router
 from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException
@@ -15,17 +20,17 @@ from prometheus_client import CollectorRegistry
 
 from appliance.admission.clients import Roster
 from appliance.admission.slots import Admission
+from appliance.answers.answer import ErrorAnswer, error_answer
+from appliance.answers.shape import ErrorShape
 from appliance.apis.anthropic import routes as anthropic
 from appliance.apis.batch import routes as batch
 from appliance.apis.openai import routes as openai
 from appliance.apis.openai.api import OPENAI
 from appliance.apis.responses import routes as responses
-from appliance.apis.shape import ErrorShape
 from appliance.apis.tokenizer import routes as tokenizer
-from appliance.context import REQUEST_ID, headers_of, request_context
-from appliance.engine import EngineView
-from appliance.error_answer import ErrorAnswer, error_answer
-from appliance.errors import (
+from appliance.core.context import REQUEST_ID, headers_of, request_context
+from appliance.core.engine import EngineView
+from appliance.core.errors import (
     ApiError,
     BadRequest,
     MethodNotAllowed,
@@ -34,21 +39,55 @@ from appliance.errors import (
     body_too_large,
     internal_error,
 )
+from appliance.core.settings import Settings
+from appliance.core.upstream import Limits, Upstream
+from appliance.edge.hosts import AllowedHosts, misdirected
+from appliance.edge.limits import EdgeMetrics, edge_protocol
 from appliance.fences.litestar import client_left, route_of
+from appliance.fences.uvicorn import ApiServer, listener
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate
-from appliance.hosts import AllowedHosts, misdirected
-from appliance.metrics import UNROUTED, RequestMetrics
+from appliance.observe.metrics import UNROUTED, RequestMetrics
 from appliance.policy.cost_watch import CostWatch
+from appliance.proxy.relay import RelayDeps
 from appliance.recovery.quarantine import Quarantine
-from appliance.relay import RelayDeps
 from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
-from appliance.settings import Settings
 from appliance.status import routes as status
 from appliance.status.document import StatusSources
 from appliance.status.recent import EngineReading, Recent
-from appliance.upstream import Limits, Upstream
+
+
+@dataclass(frozen=True)
+class ApiState:
+    """What the API keeps across requests that the supervisor also acts on: the admission it
+    drains at a stop, the clients table a reload replaces, the quarantine its forensics tell of
+    each engine death."""
+
+    admission: Admission
+    clients: Roster
+    quarantine: Quarantine
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ApiState:
+        return cls(Admission.from_settings(settings), Roster.from_settings(settings),
+                   Quarantine(settings.resume))
+
+
+def api_server(settings: Settings, app: Litestar, registry: CollectorRegistry,
+               tls: Callable[[], ssl.SSLContext] | None) -> ApiServer:
+    """The app on the LAN. With a certificate the port speaks TLS only, with the context `tls`
+    gives at each handshake (a reload re-reads it in place); the listener does the TLS (uvicorn
+    gets no ssl) so that the handshake is bounded and counted against the connection cap."""
+    server = settings.server
+    protocol = listener(edge_protocol(server, EdgeMetrics(registry)), tls,
+                        server.tls_handshake_timeout_s)
+    return ApiServer(uvicorn.Config(app, host=server.host, port=server.port,
+                                    http=protocol, log_config=None, access_log=False,
+                                    lifespan="on", timeout_keep_alive=server.idle_timeout_s,
+                                    timeout_graceful_shutdown=server.close_timeout_s,
+                                    proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
+                                    server_header=False))
 
 
 def create_app(
@@ -83,10 +122,12 @@ def create_app(
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading,
                             quarantine)
-    operations = Router("/", route_handlers=[*ops.guarded_routes(engine, metrics, admission),
+    protect = settings.server.protect_ops_routes
+    operations = Router("/", route_handlers=[*ops.guarded_routes(metrics),
                                              *status.data_routes(sources)],
-                        guards=[guards.key_guard(clients)] if settings.server.protect_ops_routes
-                        else [])
+                        guards=[guards.key_guard(clients)] if protect else [])
+    health = ops.health_route(engine, admission, (lambda scope: guards.holds_key(
+        clients, scope, "/health")) if protect else (lambda _: True))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -117,7 +158,7 @@ def create_app(
 
     return Litestar(
         route_handlers=[*_api_routers(settings, relay, clients), operations,
-                        *ops.open_routes(alive), *status.page_routes()],
+                        *ops.open_routes(alive, engine), health, *status.page_routes()],
         exception_handlers={Exception: on_error},
         # The Host before any route's guards, body or handler: a page that rebound a name to
         # this box gets nothing from any route (request_context and metrics only note it).
@@ -153,7 +194,7 @@ def _shape(scope: Scope) -> ErrorShape:
 def host_check(hosts: AllowedHosts,
                answer: Callable[[Scope, ApiError], ErrorAnswer]) -> Callable[[ASGIApp], ASGIApp]:
     """A Host this appliance does not answer is refused before the route's guards, its body
-    or its handler run (appliance.hosts)."""
+    or its handler run (appliance.edge.hosts)."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def checked(scope: Scope, receive: Receive, send: Send) -> None:

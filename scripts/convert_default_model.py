@@ -129,14 +129,22 @@ def _write_atomically(path: Path, data: dict[str, object]) -> None:
 
 def convert(gguf: Path, work: Path) -> None:
     """Dequantize the GGUF into dense safetensors plus tokenizer files in work."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer
 
     say("reading the tokenizer and chat template from the GGUF")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not getattr(tokenizer, "chat_template", None):
         raise ConversionError(f"{gguf.name} carries no chat template; /v1/chat/completions needs one")
     tokenizer.save_pretrained(work)
+
+    write_dense_weights(gguf, work)
+    write_sampling_defaults(work)
+
+
+def write_dense_weights(gguf: Path, work: Path) -> None:
+    """The GGUF's weights as dense float32 safetensors in work."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     say("dequantizing the weights to float32 (the long part)")
     # dequantize=True unpacks every block into a dense float32 tensor: vLLM cannot load
@@ -154,7 +162,6 @@ def convert(gguf: Path, work: Path) -> None:
         quantizer.remove_quantization_config(model)
     say("writing safetensors")
     model.save_pretrained(work)
-    write_sampling_defaults(work)
 
 
 def verify(directory: Path) -> list[str]:

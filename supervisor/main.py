@@ -1,4 +1,4 @@
-"""`chat-appliance` command line: serve, check-config, status, reload, doctor, crashes,
+"""`chat-appliance` command line: serve, check-config, status, reload, drain, doctor, crashes,
 selftest."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from appliance.settings import ConfigError, Settings, load_settings, masked_dump
-from supervisor.control import ask
+from appliance.core.settings import ConfigError, Settings, load_settings, masked_dump
+from supervisor.operator.control import ask
 
 EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus: a bad config (or box) must not restart-loop
 EXIT_NOT_ANSWERING = 3
@@ -49,6 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "of a running appliance from its configuration (rotation)")
     reload.add_argument("--socket", type=Path,
                         help="its control socket (default: server.control_socket)")
+    drain = commands.add_parser("drain", help="make a running appliance not ready at once, let "
+                                "what it holds finish (supervisor.drain_timeout_s), then stop "
+                                "(exit 0); new requests meanwhile get 503 + Retry-After")
+    drain.add_argument("--socket", type=Path,
+                       help="its control socket (default: server.control_socket)")
+    drain.add_argument("--wait", action="store_true",
+                       help="return only once it has stopped (its control socket is gone)")
     doctor = commands.add_parser("doctor", help="check this machine against what the "
                                  "configured engine needs; exit status 1 on a blocker")
     doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -66,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _selftest_arguments(selftest)
     args = parser.parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status,
-               "reload": _reload, "doctor": _doctor,
+               "reload": _reload, "drain": _drain, "doctor": _doctor,
                "crashes": _crashes, "selftest": _selftest}[args.command]
     return handler(args)
 
@@ -80,10 +87,10 @@ def _settings_or_exit() -> Settings:
 
 
 def _serve(_: argparse.Namespace) -> int:
-    from appliance.upstream import loop_factory
-    from supervisor import logs
+    from appliance.core.upstream import loop_factory
     from supervisor.doctor import preflight
     from supervisor.doctor.report import one_line
+    from supervisor.observe import logs
     from supervisor.serve import serve
 
     settings = _settings_or_exit()
@@ -126,7 +133,7 @@ def _selftest_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _selftest(args: argparse.Namespace) -> int:
-    from supervisor import logs
+    from supervisor.observe import logs
     from supervisor.selftest.command import selftest
 
     settings = _settings_or_exit()
@@ -201,17 +208,23 @@ def watch_status(
         return 0
 
 
+def _ask_control(path: Path, verb: str, otherwise: str) -> dict[str, Any] | None:
+    """The running appliance's answer to `verb` on its control socket; None, said why, where
+    it is not answering (`otherwise`: the signal that does the same)."""
+    try:
+        return ask(path, verb)
+    except (OSError, ValueError) as exc:
+        print(f"chat-appliance is not answering on {path}: {exc} (run this as the service "
+              f"user or root; or {otherwise})", file=sys.stderr)
+        return None
+
+
 def _reload(args: argparse.Namespace) -> int:
     """Ask the running appliance, on its control socket, to reload its clients and certificate;
     it reads its own configuration, and keeps what is in force if that is wrong (exit 2)."""
     settings = _settings_or_exit()  # a file with an error is refused here already (exit 2)
-    candidates = [args.socket] if args.socket else settings.server.control_socket_candidates()
-    path = next((found for found in candidates if _present(found)), candidates[0])
-    try:
-        answer = ask(path, "reload")
-    except (OSError, ValueError) as exc:
-        print(f"chat-appliance is not answering on {path}: {exc} (run this as the service "
-              "user or root; or kill -HUP the supervisor)", file=sys.stderr)
+    answer = _ask_control(_control_path(args, settings), "reload", "kill -HUP the supervisor")
+    if answer is None:
         return EXIT_NOT_ANSWERING
     if not answer.get("ok"):
         print(f"chat-appliance: {answer.get('error')}", file=sys.stderr)
@@ -221,6 +234,38 @@ def _reload(args: argparse.Namespace) -> int:
     print(f"reloaded: clients {names}; {answer['keys']} keys (generation {answer['generation']})"
           f"{tls}")
     return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    """Ask the running appliance, on its control socket, to drain and stop, as SIGTERM does."""
+    settings = _settings_or_exit()
+    path = _control_path(args, settings)
+    answer = _ask_control(path, "drain", "send the supervisor SIGTERM")
+    if answer is None:
+        return EXIT_NOT_ANSWERING
+    if not answer.get("ok"):
+        print(f"chat-appliance: {answer.get('error')}", file=sys.stderr)
+        return 1
+    print(f"draining: {answer['in_flight']} in flight, stopping within "
+          f"{answer['drain_timeout_s']:g} s")
+    if not args.wait:
+        return 0
+    # The supervisor removes its socket as the last step of its stop.
+    sup = settings.supervisor
+    deadline = time.monotonic() + sup.drain_timeout_s + sup.stop_grace_s + 60
+    while _present(path):
+        if time.monotonic() > deadline:
+            print(f"chat-appliance: still running after the drain's bound ({path})",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    print("stopped")
+    return 0
+
+
+def _control_path(args: argparse.Namespace, settings: Settings) -> Path:
+    candidates = [args.socket] if args.socket else settings.server.control_socket_candidates()
+    return next((found for found in candidates if _present(found)), candidates[0])
 
 
 def _present(path: Path) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -12,20 +13,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
-import uvicorn
 from prometheus_client import CollectorRegistry
 
-from appliance.admission.clients import Roster
-from appliance.admission.slots import Admission
-from appliance.app import create_app
-from appliance.edge import EdgeMetrics, edge_protocol
-from appliance.engine import EngineState, Waiting
-from appliance.fences.uvicorn import ApiServer, listener
-from appliance.recovery.quarantine import Quarantine
-from appliance.settings import ConfigError, EngineSettings, GpuSettings, Settings
-from supervisor.canary import CanaryWatch
-from supervisor.collector import SupervisorCollector, restart_durations
-from supervisor.control import control_socket
+from appliance.app import ApiState, api_server, create_app
+from appliance.core.engine import EngineState, Waiting
+from appliance.core.sections import EngineSettings, GpuSettings
+from appliance.core.settings import ConfigError, Settings
+from appliance.fences.uvicorn import ApiServer
 from supervisor.engine.gpu_budget import (
     GpuMemory,
     ModelShapeError,
@@ -46,10 +40,14 @@ from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
 from supervisor.monitors.progress import ProgressMonitor, WorkerDemand
 from supervisor.monitors.stillness import Stillness, server_activity
-from supervisor.private import private_dir
-from supervisor.reload import Reloader
-from supervisor.sdnotify import Notifier
-from supervisor.tls import ServerTls
+from supervisor.observe.collector import SupervisorCollector, restart_durations
+from supervisor.observe.signals import LoadSignals
+from supervisor.operator.control import control_socket
+from supervisor.operator.private import private_dir
+from supervisor.operator.reload import Reloader
+from supervisor.operator.sdnotify import Notifier
+from supervisor.operator.tls import ServerTls
+from supervisor.selftest.canary import CanaryWatch
 
 log = structlog.get_logger("supervisor.serve")
 
@@ -59,16 +57,26 @@ EXIT_CONFIG = 2  # the unit's RestartPreventExitStatus
 
 
 class Signals:
-    """Signal handlers only record; the serve loop acts. A second signal forces the stop."""
+    """Signal handlers only record; the serve loop acts. A second signal forces the stop.
+    `chat-appliance drain` on the control socket asks for the same stop as SIGTERM."""
 
     def __init__(self) -> None:
         self.count = 0
         self.first = asyncio.Event()
         self.second = asyncio.Event()
+        self.cause = "signal"
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._record, sig)
+
+    def drain(self, in_flight: Callable[[], int], timeout_s: float) -> dict[str, object]:
+        """The control socket's `drain`: not ready at once, then the stop SIGTERM makes."""
+        if not self.first.is_set():
+            self.cause = "drain command"
+            log.info("supervisor.drain_requested", in_flight=in_flight())
+            self.first.set()
+        return {"draining": True, "in_flight": in_flight(), "drain_timeout_s": timeout_s}
 
     def _record(self, sig: signal.Signals) -> None:
         self.count += 1
@@ -114,7 +122,7 @@ async def serve(settings: Settings) -> int:
         return EXIT_FAILURE
     gpu = await build_gpu_watch(settings.gpu)
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
-    admission = Admission.from_settings(settings)
+    api = ApiState.from_settings(settings)
     # Only requests the API sends make the engine work: while none is, it is not read again;
     # while some wait on it, they are work even if the worker's own gauges froze.
     waiting = Waiting(settings.policy.max_inflight)
@@ -134,11 +142,10 @@ async def serve(settings: Settings) -> int:
     # Each death's in-flight requests are counted against them: one that keeps killing the
     # engine is refused (request_quarantined) before it trips the crash-loop guard; one that
     # a worker answered in full, and lived, is cleared of them.
-    quarantine = Quarantine(settings.resume)
-    waiting.answered.append(quarantine.answered)
+    waiting.answered.append(api.quarantine.answered)
     forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
-                         else {"status": "unavailable"}, deaths=quarantine.died)
+                         else {"status": "unavailable"}, deaths=api.quarantine.died)
     manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu, waiting=waiting,
                             forensics=forensics)
     manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
@@ -150,31 +157,22 @@ async def serve(settings: Settings) -> int:
     # 2. Metrics: the supervisor's facts, read at scrape time, in the registry the API serves.
     registry = CollectorRegistry()
     registry.register(SupervisorCollector(manager, progress, gpu, canary))
+    # The load signals a router reads, in vLLM's names (the fleet's balancing).
+    registry.register(LoadSignals(manager, progress, lambda: api.admission.queued,
+                                  lambda: len(waiting)))
     durations = restart_durations(registry)
     manager.phase_listeners.append(lambda phase, s: durations.labels(phase=phase).observe(s))
 
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_task: asyncio.Task[None] | None = None
-    clients = Roster.from_settings(settings)
-    reloader = Reloader(clients, tls)
+    reloader = Reloader(api.clients, tls)
     # SIGHUP (kill -HUP) reloads as `chat-appliance reload` (systemctl reload) does.
     loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
-    app = create_app(settings, manager, registry=registry, admission=admission, clients=clients,
+    app = create_app(settings, manager, registry=registry, admission=api.admission, clients=api.clients,
                      alive=lambda: manager_task is not None and not manager_task.done(),
                      engine_reading=lambda: progress.stats if manager.state is EngineState.READY
-                     else None, quarantine=quarantine)
-    # With a certificate the port speaks TLS only, with the context that reload re-reads in
-    # place; the listener does the TLS (uvicorn gets no ssl) so that the handshake is bounded
-    # and counted against the connection cap.
-    protocol = listener(edge_protocol(settings.server, EdgeMetrics(registry)),
-                        None if tls is None else lambda: tls.context,
-                        settings.server.tls_handshake_timeout_s)
-    server = ApiServer(uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
-                                    http=protocol, log_config=None, access_log=False,
-                                    lifespan="on", timeout_keep_alive=settings.server.idle_timeout_s,
-                                    timeout_graceful_shutdown=settings.server.close_timeout_s,
-                                    proxy_headers=False,  # X-Forwarded-* from the LAN is not trusted
-                                    server_header=False))
+                     else None, quarantine=api.quarantine)
+    server = api_server(settings, app, registry, None if tls is None else lambda: tls.context)
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):
         log.error("supervisor.api_failed", host=settings.server.host, port=settings.server.port)
@@ -182,10 +180,11 @@ async def serve(settings: Settings) -> int:
     log.info("supervisor.listening", host=settings.server.host, port=settings.server.port,
              tls=tls is not None, fingerprint=tls.fingerprint if tls is not None else None)
     notifier.ready(f"API listening on {settings.server.port}; engine starting")
-    # The operator's door (reload), a Unix socket no web page can reach; closed last.
+    # The operator's door (reload, drain), a Unix socket no web page can reach; closed last.
     operator = contextlib.AsyncExitStack()
-    await operator.enter_async_context(
-        control_socket(settings.server.resolved_control_socket(), {"reload": reloader}))
+    drain = functools.partial(signals.drain, lambda: api.admission.in_flight, sup.drain_timeout_s)
+    await operator.enter_async_context(control_socket(
+        settings.server.resolved_control_socket(), {"reload": reloader, "drain": drain}))
     # What start-up built (modules, the app, its routes and models) lives as long as the
     # process: out of the collector's sight, so that the full collections that many requests
     # in flight provoke do not walk it again each time (GC time in a non-streaming load run
@@ -200,7 +199,7 @@ async def serve(settings: Settings) -> int:
     # 5. Run until a signal, or until the API or the manager ends on its own.
     await _first(signals.first.wait(), manager_task, server_task)
     failed = server_task.done() or manager_task.done()
-    log.info("supervisor.stopping", cause="internal failure" if failed else "signal")
+    log.info("supervisor.stopping", cause="internal failure" if failed else signals.cause)
     notifier.stopping()
     # READY=1 went out when the API listened, so model loads need no extension; a drain
     # configured longer than the unit's TimeoutStopSec does.
@@ -208,7 +207,7 @@ async def serve(settings: Settings) -> int:
 
     # 6. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
     manager.begin_drain()
-    await _drain(admission, sup.drain_timeout_s, signals.second)
+    await _drain(api, sup.drain_timeout_s, signals.second)
 
     # 7. Stop the worker (group SIGTERM, grace, SIGKILL, reap), then the API.
     manager.request_stop()
@@ -293,12 +292,12 @@ async def _first(*awaitables: Awaitable[object]) -> None:
             task.cancel()
 
 
-async def _drain(admission: Admission, timeout_s: float, forced: asyncio.Event) -> None:
+async def _drain(api: ApiState, timeout_s: float, forced: asyncio.Event) -> None:
     deadline = time.monotonic() + timeout_s
     # Polled: the in-flight count has no event of its own, and 0.1 s is nothing next to a drain.
-    while admission.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():  # noqa: ASYNC110
+    while api.admission.in_flight > 0 and time.monotonic() < deadline and not forced.is_set():  # noqa: ASYNC110
         await asyncio.sleep(0.1)
-    log.info("supervisor.drained", left=admission.in_flight, forced=forced.is_set())
+    log.info("supervisor.drained", left=api.admission.in_flight, forced=forced.is_set())
 
 
 async def _watchdog(notifier: Notifier, manager: EngineManager,

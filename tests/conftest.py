@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.support.isolation import isolate
+from load.kit.isolation import isolate
 
 # The README's one test command runs every suite: the unit tests (seconds) first, so that a
 # mistake they catch is reported before the real worker's boots (minutes) begin.

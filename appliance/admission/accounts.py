@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from appliance.admission.clients import Client
-from appliance.errors import TooManyRequests
+from appliance.core.errors import TooManyRequests
 
 
 class TokenBucket:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from appliance.core.sections import ClientSettings
+from appliance.core.settings import ConfigError, Settings
 from appliance.policy.auth import digest, match_key
-from appliance.settings import ClientSettings, ConfigError, Settings
 
 log = structlog.get_logger("appliance.clients")
 

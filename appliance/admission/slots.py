@@ -30,8 +30,8 @@ from appliance.admission.accounts import Account
 from appliance.admission.clients import ANYONE, Client
 from appliance.admission.fairqueue import FairQueue
 from appliance.admission.usage import Meter
-from appliance.errors import TooManyRequests
-from appliance.settings import Settings
+from appliance.core.errors import TooManyRequests
+from appliance.core.settings import Settings
 
 _HOLD_WEIGHT = 0.2  # of each new hold time in the running mean
 _FIRST_HOLD_S = 1.0  # the mean before any request finished

@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from appliance.sse import END as _END
-from appliance.sse import Events
+from appliance.proxy.sse import END as _END
+from appliance.proxy.sse import Events
 
 _USAGE = b'"usage":{'
 _FINISHED = b'"finish_reason":"'

@@ -16,8 +16,10 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from appliance.answers.shape import ErrorShape
 from appliance.apis.counting import Limits, PromptCounter
-from appliance.apis.shape import ErrorShape
+from appliance.core.sections import PolicySettings
+from appliance.core.settings import Settings
 from appliance.fences.vllm import StreamEnding
 from appliance.policy import MediaPart
 from appliance.policy.fanout import (
@@ -28,7 +30,6 @@ from appliance.policy.fanout import (
     sequences,
 )
 from appliance.recovery.stream import Record
-from appliance.settings import PolicySettings, Settings
 
 
 class GenerationApi:

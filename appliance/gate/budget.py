@@ -18,11 +18,11 @@ import structlog
 
 from appliance.apis.api import GenerationApi
 from appliance.apis.counting import Limits
-from appliance.engine import EngineView
-from appliance.errors import BadRequest
+from appliance.core.engine import EngineView
+from appliance.core.errors import BadRequest
+from appliance.core.sections import PolicySettings
+from appliance.core.upstream import Upstream
 from appliance.policy.max_tokens import Clamp, clamp_max_tokens, given_budget
-from appliance.settings import PolicySettings
-from appliance.upstream import Upstream
 
 log = structlog.get_logger("appliance.budget")
 

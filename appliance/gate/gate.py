@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,20 +22,20 @@ from appliance import policy
 from appliance.admission.clients import ANYONE, Client
 from appliance.admission.slots import Admission
 from appliance.admission.usage import Meter
+from appliance.answers.shape import ErrorShape
 from appliance.apis.api import GenerationApi
-from appliance.apis.shape import ErrorShape
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
+from appliance.core.settings import Settings
 from appliance.fences.vllm import StreamEnding, TokenIds
 from appliance.gate.budget import BudgetFitter
-from appliance.outbound import StreamAsked
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.constraints import check_constraints
 from appliance.policy.fanout import check_sequences
 from appliance.policy.fields import check_fields
 from appliance.policy.max_tokens import CLAMP_HEADER, apply_default_budget, header_value
 from appliance.policy.token_ids import check_token_ids, vocabulary_size
+from appliance.proxy.outbound import StreamAsked
 from appliance.recovery.stream import Record
-from appliance.settings import Settings
 
 log = structlog.get_logger("appliance.gate")
 
@@ -45,7 +45,7 @@ _MULTIMODAL_KEYS = ("vision_config", "audio_config", "image_token_index", "image
 @dataclass
 class Vetted(StreamAsked):
     """A request that passed the rules: what to forward, and what the gate did to it. The
-    relay sends it (an appliance.outbound.Outbound) holding an admission slot."""
+    relay sends it (an appliance.proxy.outbound.Outbound) holding an admission slot."""
 
     method: ClassVar[str] = "POST"
     api: GenerationApi
@@ -103,10 +103,6 @@ class Vetted(StreamAsked):
     def slot(self, admission: Admission) -> AbstractAsyncContextManager[Meter]:
         """The engine works for it: it holds a slot, its usage metered there."""
         return admission.slot(self.client, len(self.raw), self.sequences, self.admitted)
-
-    def fit_budget(self, gate: Gate) -> Awaitable[None]:
-        """Once it holds its slot: its budget fitted to the window's room."""
-        return gate.fit_budget(self)
 
 
 class Gate:

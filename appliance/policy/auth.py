@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from appliance.errors import Unauthorized
+from appliance.core.errors import Unauthorized
 
 
 def match_key(authorization: str | None, digests: Sequence[bytes], *,

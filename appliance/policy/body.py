@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 # OpenAI lets these roles carry "content": null (an assistant turn made only of tool calls).

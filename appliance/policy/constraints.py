@@ -32,9 +32,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
+from appliance.core.sections import ConstraintSettings
 from appliance.policy.grammar import rules, unfinishable_root
-from appliance.settings import ConstraintSettings
 
 _QUANTIFIERS = "*+?{"
 _REPEATED_BOUNDS = ("minLength", "maxLength", "minItems", "maxItems", "minContains",

@@ -44,8 +44,8 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from appliance.errors import ApiError, BadRequest
-from appliance.settings import ConstraintSettings
+from appliance.core.errors import ApiError, BadRequest
+from appliance.core.sections import ConstraintSettings
 
 log = structlog.get_logger("appliance.cost")
 

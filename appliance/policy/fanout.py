@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.admission.clients import Client
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 
 def check_message_count(raw: bytes, max_messages: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 Object = dict[str, Any]
 Scalar = str | int | float

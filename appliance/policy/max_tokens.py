@@ -6,7 +6,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy.body import check_count, truncate_prompt_tokens
 
 CLAMP_HEADER = "X-Max-Tokens-Clamped"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 from urllib.parse import urlsplit
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 MediaKind = Literal["image", "audio", "video", "file", "embeds"]
 Encoding = Literal["url", "base64"]

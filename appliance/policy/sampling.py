@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy.body import check_count
 
 # Each multiplies the sequences decoded per request: n choices, best_of candidates, and the

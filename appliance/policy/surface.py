@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy.body import check_count, validate_chat
 
 ANTHROPIC_ROLES = frozenset({"user", "assistant", "system"})

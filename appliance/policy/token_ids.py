@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 
 def vocabulary_size(config: Mapping[str, Any]) -> int | None:

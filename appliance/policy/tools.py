@@ -6,7 +6,7 @@ import copy
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 
 THINKING_TYPES = {"enabled": True, "disabled": False}
 

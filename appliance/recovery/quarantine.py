@@ -12,7 +12,7 @@ Only the deaths a fingerprint's presence may explain count against it. The rule:
   a death counts against a fingerprint if a request with it was in flight at that death (a
   worker had it: sent, or being fitted to the budget), and no request with it has been
   answered in full since by a worker that had it through no death (`answered`, told by
-  appliance.engine.Waiting).
+  appliance.core.engine.Waiting).
 Such an answer proves the input harmless to an engine: one reached it, ran to its end and left
 it alive. Whatever deaths it was in flight at had another cause (a kill, a freeze, another
 request), so its record is dropped and its count starts again from nothing. A poison input
@@ -36,8 +36,8 @@ from typing import Any
 
 import structlog
 
-from appliance.errors import Unprocessable
-from appliance.settings import ResumeSettings
+from appliance.core.errors import Unprocessable
+from appliance.core.sections import ResumeSettings
 
 log = structlog.get_logger("appliance.recovery.quarantine")
 

@@ -6,7 +6,7 @@ relay asks what became of the worker (`worker_fate`): the supervisor declared it
 process exited, its probes failed, a hang verdict from the engine's own progress), or it still
 serves and answers its health probe, so the failure was the request's own (a client's text, a
 request vLLM dropped); or neither within `resume.confirm_s`. While it asks, the request is not
-work the engine owes (appliance.engine.Waiting.checking). After a loss the new worker's start is
+work the engine owes (appliance.core.engine.Waiting.checking). After a loss the new worker's start is
 waited for up to `resume.max_wait_s` in all.
 """
 
@@ -17,8 +17,8 @@ import enum
 
 import structlog
 
-from appliance.engine import EngineState, EngineView
-from appliance.errors import ApiError, EngineUnavailable, UpstreamError
+from appliance.core.engine import EngineState, EngineView
+from appliance.core.errors import ApiError, EngineUnavailable, UpstreamError
 from appliance.fences.vllm import ENGINE_DEAD_MESSAGE
 
 log = structlog.get_logger("appliance.recovery")

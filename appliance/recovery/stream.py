@@ -30,11 +30,11 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 import msgspec
 import structlog
 
-from appliance.apis.shape import upstream_error
+from appliance.answers.shape import upstream_error
 from appliance.fences.vllm import TokenIds
-from appliance.sse import END as _END
-from appliance.sse import END_SIZE as _END_SIZE
-from appliance.sse import Events
+from appliance.proxy.sse import END as _END
+from appliance.proxy.sse import END_SIZE as _END_SIZE
+from appliance.proxy.sse import Events
 
 _DATA = b"data: "
 _DONE = b"data: [DONE]"

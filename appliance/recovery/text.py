@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from appliance.proxy.sse import END as _END
+from appliance.proxy.sse import Events
 from appliance.recovery.stream import Continuation, Record, WorkerCall, ask, remaining
-from appliance.sse import END as _END
-from appliance.sse import Events
 
 _EVENT = b"event: "
 _DATA = b"data: "

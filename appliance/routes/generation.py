@@ -14,15 +14,15 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
 from appliance.apis.api import GenerationApi, WorkerRoute
-from appliance.context import REQUEST_ID, headers_of
-from appliance.errors import BadRequest, RequestTimeout, body_incomplete, body_too_large
+from appliance.core.context import REQUEST_ID, headers_of
+from appliance.core.errors import BadRequest, RequestTimeout, body_incomplete, body_too_large
+from appliance.core.sections import PolicySettings, ServerSettings
 from appliance.fences.uvicorn import client_link
 from appliance.gate.gate import Vetted
-from appliance.outbound import Outbound, PassThrough, Refine
-from appliance.relay import Relay, RelayDeps
+from appliance.proxy.outbound import Outbound, PassThrough, Refine
+from appliance.proxy.relay import Relay, RelayDeps
 from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
-from appliance.settings import PolicySettings, ServerSettings
 
 # Request headers the worker should see: tracing context, so vLLM continues the client's trace.
 _FORWARDED = (b"traceparent", b"tracestate")

@@ -6,12 +6,12 @@ from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from litestar.types import Guard
+from litestar.types import Guard, Scope
 
 from appliance.admission.clients import ANYONE, Client, Roster
-from appliance.context import bind_client, headers_of
-from appliance.engine import EngineState, EngineView
-from appliance.errors import Forbidden, engine_unavailable
+from appliance.core.context import bind_client, headers_of
+from appliance.core.engine import EngineState, EngineView
+from appliance.core.errors import Forbidden, Unauthorized, engine_unavailable
 
 _CLIENT = "appliance.client"  # where the guard leaves the client in the request's scope state
 
@@ -37,6 +37,16 @@ def key_guard(clients: Roster, *, x_api_key: bool = False) -> Guard:
                             code="route_not_allowed", reason="route_not_allowed")
 
     return guard
+
+
+def holds_key(clients: Roster, scope: Scope, route: str) -> bool:
+    """Whether the request's `Authorization` names a client allowed `route`: for a route that
+    answers a caller without one less, instead of nothing."""
+    try:
+        client = clients.identify(_text(headers_of(scope).get(b"authorization")))
+    except Unauthorized:
+        return False
+    return client.may_use(route)
 
 
 def _text(value: bytes | None) -> str | None:

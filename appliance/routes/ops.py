@@ -1,46 +1,75 @@
-"""Operational routes: /health (readiness), /livez (liveness), /metrics (Prometheus)."""
+"""Operational routes: /health (readiness with detail), /readyz (readiness, open), /livez
+(liveness, open), /metrics (Prometheus).
+
+A router or load balancer asks /readyz: 200 means "send me a new request"; 503 with Retry-After
+while the engine starts, restarts or the box is draining. systemd and monitoring ask /livez: 200
+while the supervisor's loop runs, whatever the engine does. Neither holds data, so neither needs
+the key a router does not have; /health gives the same verdict, and the engine's detail to a
+caller allowed it (a key, with server.protect_ops_routes)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from litestar import Response
+from litestar import Request, Response
 from litestar.handlers import HTTPRouteHandler
+from litestar.types import Scope
 
 from appliance.admission.slots import Admission
-from appliance.engine import EngineState, EngineView
-from appliance.metrics import RequestMetrics
+from appliance.core.engine import EngineState, EngineView
+from appliance.observe.metrics import RequestMetrics
 from appliance.routes.handlers import get
 
 QUIET = {"quiet": True}  # polled: an access line each would drown the log
 
 
-def guarded_routes(engine: EngineView, metrics: RequestMetrics,
-                   admission: Admission) -> list[HTTPRouteHandler]:
+def guarded_routes(metrics: RequestMetrics) -> list[HTTPRouteHandler]:
     """Open by default; behind the key guard with server.protect_ops_routes."""
-
-    @get("/health", opt=QUIET, sync_to_thread=False)
-    def health() -> Response[dict[str, Any]]:
-        ready = engine.state is EngineState.READY
-        headers = {} if ready else {"Retry-After": str(engine.retry_after_s())}
-        detail = engine.snapshot() | {"in_flight": admission.in_flight, "queued": admission.queued}
-        return Response(content=detail, status_code=200 if ready else 503, headers=headers)
 
     @get("/metrics", opt=QUIET, sync_to_thread=False)
     def metrics_route() -> Response[bytes]:
         body, content_type = metrics.render()
         return Response(content=body, media_type=content_type)
 
-    return [health, metrics_route]
+    return [metrics_route]
 
 
-def open_routes(alive: Callable[[], bool]) -> list[HTTPRouteHandler]:
-    """Always open: a liveness probe must never need a secret."""
+def health_route(engine: EngineView, admission: Admission,
+                 detailed: Callable[[Scope], bool]) -> HTTPRouteHandler:
+    """/health: the readiness verdict to anyone; the engine's detail only where `detailed`
+    (open by default; with server.protect_ops_routes, a key allowed /health). A keyless caller
+    gets the verdict, never a 401: vllm-router probes /health without a key before it serves."""
+
+    @get("/health", opt=QUIET, sync_to_thread=False)
+    def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+        ready = engine.state is EngineState.READY
+        headers = {} if ready else {"Retry-After": str(engine.retry_after_s())}
+        if detailed(request.scope):
+            detail = engine.snapshot() | {"in_flight": admission.in_flight,
+                                          "queued": admission.queued}
+        else:
+            detail = {"ready": ready, "state": engine.state.value}
+        return Response(content=detail, status_code=200 if ready else 503, headers=headers)
+
+    return health
+
+
+def open_routes(alive: Callable[[], bool], engine: EngineView) -> list[HTTPRouteHandler]:
+    """Always open: a liveness or readiness probe must never need a secret."""
 
     @get("/livez", opt=QUIET, sync_to_thread=False)
     def livez() -> Response[dict[str, bool]]:
         ok = alive()
         return Response(content={"alive": ok}, status_code=200 if ok else 503)
 
-    return [livez]
+    @get("/readyz", opt=QUIET, sync_to_thread=False)
+    def readyz() -> Response[dict[str, Any]]:
+        # The verdict alone (and the state, which names why not): a router acts on the status.
+        state = engine.state
+        if state is EngineState.READY:
+            return Response(content={"ready": True, "state": state.value}, status_code=200)
+        return Response(content={"ready": False, "state": state.value}, status_code=503,
+                        headers={"Retry-After": str(engine.retry_after_s())})
+
+    return [livez, readyz]

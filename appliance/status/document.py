@@ -9,10 +9,10 @@ from typing import Any
 from prometheus_client import Counter
 
 from appliance.admission.slots import Admission
-from appliance.engine import EngineView
-from appliance.metrics import RequestMetrics
+from appliance.core.engine import EngineView
+from appliance.core.settings import Settings
+from appliance.observe.metrics import RequestMetrics
 from appliance.recovery.quarantine import Quarantine
-from appliance.settings import Settings
 from appliance.status.recent import EngineReading, Recent
 
 

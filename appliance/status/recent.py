@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from appliance.settings import StatusSettings
+from appliance.core.sections import StatusSettings
 
 
 class EngineCounters(Protocol):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import structlog
 
-from appliance.settings import ConfigError, Settings, config_path, load_settings
+from appliance.core.settings import ConfigError, Settings, config_path, load_settings
 from supervisor.doctor.access import check_access, service_account
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import check_driver

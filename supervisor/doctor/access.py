@@ -12,7 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
-from appliance.settings import Settings, config_path
+from appliance.core.settings import Settings, config_path
 from supervisor.doctor.box import Account, Box
 from supervisor.doctor.report import Finding, blocker, ok
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.engine.gpu_budget import GpuMemory, read_gpu_memory
 
 PYTHON_PROBE_TIMEOUT_S = 20.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
-from appliance.settings import EngineSettings
+from appliance.core.sections import EngineSettings
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import engine_is_gpu
 from supervisor.doctor.report import Finding, blocker, ok, skip, warning

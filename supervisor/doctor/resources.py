@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from appliance.settings import EngineSettings, Settings
+from appliance.core.sections import EngineSettings
+from appliance.core.settings import Settings
 from supervisor.doctor.box import Box
 from supervisor.doctor.driver import engine_is_gpu
 from supervisor.doctor.report import Finding, blocker, ok, skip, warning

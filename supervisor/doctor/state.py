@@ -10,7 +10,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from appliance.settings import SYSTEM_STATE
+from appliance.core.sections import SYSTEM_STATE
 from supervisor.doctor.access import SERVICE_USER, allowed
 from supervisor.doctor.box import Account, Box
 from supervisor.doctor.report import Finding, blocker, ok, skip, warning

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.settings import GpuSettings, Settings
+from appliance.core.sections import GpuSettings
+from appliance.core.settings import Settings
 from supervisor.gpu.nvml import GpuMonitor
 
 GIB = 1024**3

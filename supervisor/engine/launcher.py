@@ -9,8 +9,8 @@ from pathlib import Path
 
 import structlog
 
+from appliance.core.sections import EngineSettings
 from appliance.fences.vllm import API_PRELOADS, API_WARM, CPU_ENGINE_WARM
-from appliance.settings import EngineSettings
 from supervisor.engine.listen import listen_released
 from supervisor.engine.worker import ProcessLauncher, SessionWorker, build_command, build_env
 from supervisor.template.process import (

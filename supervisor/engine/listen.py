@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import structlog
 
 from appliance.fences.vllm import Flag
-from supervisor.private import private_dir
+from supervisor.operator.private import private_dir
 
 if TYPE_CHECKING:  # a type only: the GPU smoke check imports this without pydantic
-    from appliance.settings import EngineSettings
+    from appliance.core.sections import EngineSettings
 
 log = structlog.get_logger("supervisor.engine.listen")
 

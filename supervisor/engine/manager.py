@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from appliance.engine import EngineState, Waiting
-from appliance.settings import Settings
+from appliance.core.engine import EngineState, Waiting
+from appliance.core.settings import Settings
 from supervisor.engine.backoff import Backoff, CrashLoop
 from supervisor.engine.exits import ExitCause, ExitReason, Phase, process_exit
 from supervisor.engine.worker import Worker
@@ -67,7 +67,7 @@ PhaseTiming = Callable[[str, float], None]
 
 
 class EngineManager:
-    """Owns the worker's life; the API reads it through appliance.engine.EngineView."""
+    """Owns the worker's life; the API reads it through appliance.core.engine.EngineView."""
 
     def __init__(
         self,
@@ -104,6 +104,7 @@ class EngineManager:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # set, and replaced, at each change of state
         self._stop_requested = False
+        self._draining = False
         self._started_at = clock()
         self._ready_since: float | None = None
         self._last_exit: ExitCause | None = None
@@ -212,7 +213,9 @@ class EngineManager:
         return self._clock() - self.last_tick < max(longest_step, sup.health_interval_s * 3)
 
     def begin_drain(self) -> None:
-        """Stop admitting: health and new requests answer 503 while in-flight ones finish."""
+        """Stop admitting: health and new requests answer 503 while in-flight ones finish; a
+        worker that becomes ready after this (a drain during a restart) stays draining."""
+        self._draining = True
         if self._state is EngineState.READY:
             self._set_state(EngineState.DRAINING, "shutdown requested")
 
@@ -434,6 +437,8 @@ class EngineManager:
             callback()
 
     def _set_state(self, new: EngineState, cause: str) -> None:
+        if new is EngineState.READY and self._draining:
+            new = EngineState.DRAINING
         old = self._state
         if old is new:
             return

@@ -1,14 +1,14 @@
 """Questions the supervisor asks the worker over HTTP, on a thread of their own.
 
 The probes share no fate with the API: they run on an event loop of their own, on a thread of
-their own, with the worker client's own pool of connections (appliance/upstream.py, the one
+their own, with the worker client's own pool of connections (appliance/core/upstream.py, the one
 client to the worker), so a stalled serving loop (a huge body being parsed, a flood of clients)
 can delay when a verdict is read but never makes a healthy worker look dead.
 
 What a probe costs the appliance is mostly waking that thread and running its loop once more
 (its exchange is a dozen syscalls on one kept-alive connection), so the loop is uvloop's, as the
 serving one, /metrics is read for the series the monitors need alone, and each probe goes to
-the thread and back in one call each way (`_on_thread`). load.bench_cpu measures what they cost.
+the thread and back in one call each way (`_on_thread`). load.bench.cpu measures what they cost.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
+from appliance.core.upstream import Limits, Upstream, loop_factory
 from appliance.fences.vllm import METRICS_PATH
-from appliance.upstream import Limits, Upstream, loop_factory
 from supervisor.engine.stats import EngineStats, parse_engine_stats
 
 log = structlog.get_logger("supervisor.engine.probe")

@@ -21,10 +21,10 @@ from appliance.fences.vllm import SERVER_MODULE, Env, Flag
 from supervisor.engine.boot_phases import BootPhases
 from supervisor.engine.listen import listen_flags, listen_released
 from supervisor.engine.worker_output import WorkerOutput
-from supervisor.sdnotify import ENV_VARS
+from supervisor.operator.sdnotify import ENV_VARS
 
 if TYPE_CHECKING:  # a type only: the GPU smoke check imports this without pydantic
-    from appliance.settings import EngineSettings
+    from appliance.core.sections import EngineSettings
 
 log = structlog.get_logger("supervisor.engine.worker")
 

@@ -1,6 +1,6 @@
 """Crash bundles on disk: one JSON file per engine death, bounded in size and count.
 
-A bundle is written once at the death (atomically, mode 0600: supervisor.private) and
+A bundle is written once at the death (atomically, mode 0600: supervisor.operator.private) and
 rewritten once when the restart that followed completes, to add its timings. Past
 `crashes.keep` bundles the oldest are deleted; past `crashes.max_bytes` a bundle's log lines,
 stacks and request list are trimmed, oldest lines first, and the bundle says what was cut.
@@ -14,8 +14,8 @@ from typing import Any
 
 import structlog
 
-from appliance.settings import CrashSettings
-from supervisor.private import write_private
+from appliance.core.sections import CrashSettings
+from supervisor.operator.private import write_private
 
 log = structlog.get_logger("supervisor.forensics.bundles")
 

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, TextIO
 
-from appliance.settings import CrashSettings
+from appliance.core.sections import CrashSettings
 from supervisor.forensics.bundles import Bundles
 
 EXIT_NONE = 1  # no such bundle

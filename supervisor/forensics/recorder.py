@@ -18,8 +18,8 @@ from typing import Any
 
 import structlog
 
-from appliance.engine import Waiting
-from appliance.settings import Settings
+from appliance.core.engine import Waiting
+from appliance.core.settings import Settings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import Worker

@@ -8,7 +8,7 @@ the monitor found it, and CUDA's order is set to NVML's for an index that is pas
 
 from __future__ import annotations
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 
 
 def device_env(settings: GpuSettings, uuid: str | None) -> dict[str, str]:

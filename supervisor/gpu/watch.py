@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
 from supervisor.gpu.readings import GpuVerdict
 from supervisor.gpu.release import NvmlTimeout, ReleaseWait, off_loop

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from appliance.settings import SupervisorSettings
+from appliance.core.sections import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.worker import Worker
-from supervisor.monitors.progress import Activity, cpu_seconds, thread_states
+from supervisor.monitors.activity import Activity, cpu_seconds, thread_states
 
 
 def server_activity(worker: Worker, threads: bool) -> Activity | None:

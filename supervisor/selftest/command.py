@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from appliance.settings import Settings
-from supervisor.canary import CanaryStore
+from appliance.core.settings import Settings
 from supervisor.doctor import all_checks
+from supervisor.selftest.canary import CanaryStore
 from supervisor.selftest.report import Check, Report
 from supervisor.selftest.sequence import DISTURBS, run_checks
 from supervisor.selftest.target import Target

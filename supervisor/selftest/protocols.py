@@ -8,12 +8,12 @@ from typing import Any
 
 import httpx
 
-from appliance.policy.max_tokens import CLAMP_HEADER
 from supervisor.selftest.report import Check, CheckFailed
 from supervisor.selftest.target import Target
 
 ASK = "Say hello."
 ANSWER_TOKENS = 8
+CLAMP_HEADER = "X-Max-Tokens-Clamped"  # as a client reads it: the documented header (docs/api.md)
 # A PNG's magic bytes: a well-formed image part, which a text-only model must never receive.
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64).decode()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from appliance.settings import Settings
+from appliance.core.settings import Settings
 from supervisor.doctor.report import Finding, Level
 from supervisor.gpu.nvml import GpuMonitor
 from supervisor.selftest import faults

@@ -26,7 +26,7 @@ path from this directory.
 by path from this directory), never as open files say: NVML opens /dev/nvidiactl, /dev/nvidiaN
 and, on driver 580, /dev/nvidia-uvm too (torch asks NVML for the device count and never shuts it
 down, and `import vllm` can make it ask), and a child forked then still uses CUDA. The device
-files held are reported (`nvml_files`), not refused. python -m supervisor.gpu.smoke checks it on
+files held are reported (`nvml_files`), not refused. python -m supervisor.smoke.check checks it on
 a GPU.
 """
 

@@ -190,6 +190,10 @@ class TemplateProcess:
 
     async def close(self) -> None:
         """End of file on the channel ends the template; SIGKILL if it does not go in time."""
+        # shutdown, not close alone: the loop's pending read keeps the descriptor open until
+        # it is cancelled, and the template would see no end of file meanwhile.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         try:
             await asyncio.wait_for(self.proc.wait(), CLOSE_GRACE_S)

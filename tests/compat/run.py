@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from appliance.settings import default_engine_python, default_model
+from appliance.core.sections import default_engine_python, default_model
 from tests.compat import environment, sdist
 from tests.compat.compare import RunResult, Verdict, differences
 from tests.compat.selection import EXCLUDED, FILES, VLLM_VERSION, WORKER_FLAGS
@@ -128,7 +128,7 @@ def compare_endpoints(suite: Suite, direct: str, appliance: str) -> Verdict:
 @contextlib.contextmanager
 def served(workdir: Path) -> Iterator[tuple[str, str]]:
     """A real `chat-appliance serve` with the selection's worker flags: (worker URL, appliance URL)."""
-    from tests.integration.harness import running_appliance
+    from load.kit.appliance import running_appliance
 
     settings = SERVE_SETTINGS | {"engine__extra_args": json.dumps(list(WORKER_FLAGS))}
     with running_appliance(workdir, **settings) as appliance:

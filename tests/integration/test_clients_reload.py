@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_synthetic_appliance
-from tests.support.isolation import clean_env
+from load.kit.appliance import Appliance, running_synthetic_appliance
+from load.kit.isolation import clean_env
 
 pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
 

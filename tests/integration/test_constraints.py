@@ -1,28 +1,24 @@
 """Output constraints on the real vLLM worker: an ordinary one is compiled and obeyed, a costly
 one (nested quantifiers, whichever field carries it) is refused before the engine sees it, and
 a client refused constraints gets 400 for any. The slowdown itself is measured side by side
-by load/constraint_cost.py."""
+by load/hostile/constraint_cost.py."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, chat_as, running_with_clients
+from load.kit.appliance import Appliance, chat_as
 
-CLIENTS: list[dict[str, object]] = [{"name": "free", "key": "sk-free"},
-           {"name": "plain", "key": "sk-plain", "output_constraints": False}]
 HI = [{"role": "user", "content": "Give a phone number."}]
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_with_clients(Path(tmp_path_factory.mktemp("constraints")), CLIENTS) as appliance:
-        yield appliance
+def worker(clients_appliance: Appliance) -> Appliance:
+    """The shared appliance with the named clients: `free` may send constraints, `plain` not."""
+    return clients_appliance
 
 
 def chat(appliance: Appliance, who: str, **body: object) -> httpx.Response:

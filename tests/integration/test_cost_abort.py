@@ -2,31 +2,27 @@
 passes the gate's static vetting but makes every token of the engine slow is aborted once
 another request shares the engine, so that request stays within 3x of its time alone; the
 costly one ends with `request_too_costly`, logged and counted. Side by side with the abort off:
-`python -m load.cost_abort`."""
+`python -m load.hostile.cost_abort`."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from load.constraint_cost import VICTIM
-from load.cost_abort import COSTLY, victim_beside_costly
-from tests.integration.harness import Appliance, running_appliance
+from load.hostile.constraint_cost import VICTIM
+from load.hostile.cost_abort import COSTLY, victim_beside_costly
+from load.kit.appliance import Appliance
 from tests.metrics_text import value
 
 BAR = 3.0
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("cost-abort"))) as appliance:
-        appliance.wait_ready()
-        yield appliance
+def worker(appliance: Appliance) -> Appliance:
+    return appliance
 
 
 def aborted(appliance: Appliance) -> list[dict[str, object]]:
@@ -70,7 +66,9 @@ def test_a_stream_of_many_tokens_an_event_gets_no_constrained_request_aborted(
     another client's regex-constrained request, running at the engine's pace: the watch counts
     the event's tokens, and nobody is aborted."""
     before = len(aborted(worker))
-    body = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 400,
+    # Longer than the constrained request's 120 tokens after its own first 24, so that it
+    # runs beside it throughout.
+    body = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 200,
             "ignore_eos": True, "stream": True, "stream_interval": 12}
     constrained = {"messages": [{"role": "user", "content": "Write a sentence."}],
                    "max_tokens": 120, "ignore_eos": True,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance
+from load.kit.appliance import Appliance, running_appliance
 from tests.support.stack import settings_env
 from tests.unit.appliance.edge.limits import EDGE_LIMITS, QUICK_S
 from tests.unit.appliance.edge.shapes import assert_openai_error, names

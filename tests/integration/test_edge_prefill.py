@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from load.procstat import Sampler
-from tests.integration.harness import Appliance, running_appliance
+from load.kit.appliance import Appliance, running_appliance
+from load.kit.procstat import Sampler
 from tests.support.stack import settings_env
 
 WINDOW = 2048  # the harness's engine.max_model_len

@@ -2,7 +2,7 @@
 another is served, a better priority overtakes a backlog inside the engine, and a metered
 stream reaches its client exactly as vLLM writes it. The worker runs one sequence at a time
 (max_num_seqs 1), so that its own waiting queue, and its order, can be seen; the times are
-measured by load/fairness.py."""
+measured by load/fairness/run.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load.kit.appliance import Appliance, as_client, chat_as, running_with_clients
 from supervisor.engine.stats import EngineStats, parse_engine_stats
-from tests.integration.harness import Appliance, as_client, chat_as, running_with_clients
 
 FLOOD_LIMIT = 2
 CLIENTS: list[dict[str, object]] = [

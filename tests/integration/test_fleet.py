@@ -38,10 +38,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_synthetic_appliance
-from tests.net import free_port
-from tests.support.certs import self_signed
-from tests.support.processes import terminate
+from load.kit.appliance import Appliance, running_synthetic_appliance
+from load.kit.certs import self_signed
+from load.kit.net import free_port
+from load.kit.processes import terminate
 from tests.support.stack import running_stack
 
 pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker

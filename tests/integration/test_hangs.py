@@ -3,7 +3,7 @@ against the real vLLM CPU worker (one boot, default watch settings but a shorter
 faults restart by fork).
 
 The bound asserted is loose on purpose (two shared cores): the bar, 10 s, is measured by
-`python -m load.bench_restart --hangs`; these fail on the old behaviour (47 s through the idle
+`python -m load.bench.restart --hangs`; these fail on the old behaviour (47 s through the idle
 canary; 34 s through three /health timeouts).
 """
 
@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 from appliance.fences.vllm import METRICS_PATH
+from load.kit.appliance import Appliance, long_stream, running_appliance, worker_tree
 from supervisor.engine.stats import EngineStats, parse_engine_stats
-from tests.integration.harness import Appliance, long_stream, running_appliance, worker_tree
 
 GUARD_S = 20  # declared well before the old 34-47 s, with room for a loaded machine
 # Below the default (5 s) so that the longest prefill the window allows outlasts it on a fast CI
@@ -119,7 +119,7 @@ def test_engine_core_frozen_while_idle_is_hung_once_a_request_waits(
 
 def test_api_server_frozen_mid_stream_is_hung_at_its_first_unanswered_probe(
         watched: tuple[Appliance, Path]) -> None:
-    """SIGSTOP of the pid /health names while a stream runs (what `load.run --chaos` does):
+    """SIGSTOP of the pid /health names while a stream runs (what `load.locust.run --chaos` does):
     the server neither answers nor runs; the stream ends with an error event."""
     appliance, _ = watched
     old = int(appliance.wait_ready()["pid"])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from load.kit.appliance import running_synthetic_appliance
 from supervisor.engine.worker import session_members
-from tests.integration.harness import running_synthetic_appliance
 
 pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_synthetic_appliance
+from load.kit.appliance import Appliance, running_synthetic_appliance
 
 FOREIGN = "rebound.attacker.example"
 ROUTES = [("GET", "/"), ("GET", "/status.json"), ("GET", "/health"), ("GET", "/livez"),

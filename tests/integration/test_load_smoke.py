@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.harness import Appliance
+from load.kit.appliance import Appliance
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_S = 30
@@ -16,9 +16,9 @@ REPORTS = ("report.html", "stats_stats.csv", "stats_failures.csv", "summary.json
 
 def test_locust_suite_gets_an_acceptable_terminal_answer_for_every_request(
         appliance: Appliance, tmp_path: Path) -> None:
-    """`load.run` exits 0 (every status 2xx/4xx/503, every stream ended) and writes its reports."""
+    """`load.locust.run` exits 0 (every status 2xx/4xx/503, every stream ended) and writes its reports."""
     out = tmp_path / "reports"
-    command = [sys.executable, "-m", "load.run", "--url", appliance.url, "--users", "4",
+    command = [sys.executable, "-m", "load.locust.run", "--url", appliance.url, "--users", "4",
                "--duration", str(SMOKE_S), "--max-tokens", "16", "--timeout", "90",
                "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,

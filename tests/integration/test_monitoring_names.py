@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.harness import running_synthetic_appliance
+from load.kit.appliance import running_synthetic_appliance
 from tests.monitoring_names import GPU_ONLY, exposed_names, names_used
 
 pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker

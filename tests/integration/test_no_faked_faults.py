@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from appliance.fences.vllm import ANTHROPIC_ENGINE_DEAD, ENGINE_DEAD_MESSAGE
-from tests.integration.harness import Appliance
+from load.kit.appliance import Appliance
 
 # vLLM's own words for a dead engine core, and its Anthropic converter's, as a client may quote
 # them (a support ticket that pastes a log, or a hostile client).

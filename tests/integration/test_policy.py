@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from load.kit.appliance import Appliance, running_appliance
 from supervisor.engine.stats import parse_engine_stats
-from tests.integration.harness import Appliance, running_appliance
 from tests.metrics_text import samples
 
 KEY = "sk-integration-test-key"
@@ -197,7 +197,7 @@ def disconnects(appliance: Appliance, stream: bool) -> float:
 def test_disconnect_aborts_on_the_engine(gated: Appliance, stream: bool) -> None:
     """In order: the request runs on the engine, the client leaves, the appliance counts the
     disconnect and the engine stops the request short of its 1500 tokens (how soon is
-    load.bench_reactions's to measure)."""
+    load.bench.reactions's to measure)."""
     before, disconnects_before = gated.engine_stats(), disconnects(gated, stream)
     body = (b'{"messages": [{"role": "user", "content": "Write a very long essay."}], '
             b'"max_tokens": 1500, "ignore_eos": true, "stream": ' + str(stream).lower().encode()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance
+from load.kit.appliance import Appliance, running_appliance
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PLACEHOLDER = "http://appliance.lan:8000"  # the README's base_url, pointed at the test appliance

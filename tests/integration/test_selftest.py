@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from tests.integration.harness import TREE_MARKER, Appliance, marked, require_engine, running_appliance
-from tests.support.isolation import clean_env
+from load.kit.appliance import TREE_MARKER, Appliance, marked, require_engine, running_appliance
+from load.kit.isolation import clean_env
 
 SELFTEST_BUDGET_S = 180  # the bar for a whole run on the CPU default
 CANARY_WAIT_S = 120

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load.kit.appliance import running_synthetic_appliance
 from tests.integration.browser import Page, chromium
-from tests.integration.harness import running_synthetic_appliance
 
 pytestmark = pytest.mark.synthetic  # no vLLM: the synthetic worker
 

@@ -13,11 +13,12 @@ import pytest
 import uvicorn
 
 from appliance.app import create_app
-from appliance.engine import EngineState
+from appliance.core.engine import EngineState
+from appliance.core.sections import ResumeSettings
+from appliance.core.settings import Settings
 from appliance.recovery.quarantine import Quarantine
-from appliance.settings import ResumeSettings, Settings
+from load.kit.net import free_port
 from tests.integration.browser import chromium
-from tests.net import free_port
 from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.synthetic  # no vLLM: a fake engine view, in-process

@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
+from load.kit.appliance import Appliance, running_appliance
 from supervisor.engine.stats import parse_engine_stats
-from tests.integration.harness import Appliance, running_appliance
 
 KEY = "sk-surface-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -246,7 +246,7 @@ LONG = "Write a very long essay about lighthouses."
 def test_disconnect_aborts_on_the_engine(
         surface: Appliance, model: str, path: str, budget: str, stream: bool) -> None:
     """The request runs on the engine, the client leaves, the engine stops it short of its 1500
-    tokens (how soon is load.bench_reactions's to measure)."""
+    tokens (how soon is load.bench.reactions's to measure)."""
     prompt: dict[str, object] = ({"input": LONG} if path == "/v1/responses"
                                  else {"messages": [{"role": "user", "content": LONG}]})
     idle_by = time.monotonic() + 60  # an earlier test's request may still be aborting

@@ -46,8 +46,8 @@ import httpx
 import psutil
 import pytest
 
-from appliance.settings import default_engine_python, default_model
-from tests.net import free_port
+from appliance.core.sections import default_engine_python, default_model
+from load.kit.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = Path("/lib/systemd/systemd")

@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.harness import Appliance, running_appliance, worker_tree
+from load.kit.appliance import Appliance, worker_tree
 
 # A cold start is ~35-50 s here; a fork from the template is several times faster. The bound
 # only catches a restart that silently went cold again (the forks are asserted, the real number
@@ -29,13 +27,9 @@ class Booted:
 
 
 @pytest.fixture(scope="module")
-def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Booted]:
-    with running_appliance(Path(tmp_path_factory.mktemp("template"))) as running:
-        began = time.monotonic()
-        running.wait_ready()
-        cold_start_s = time.monotonic() - began
-        print(f"cold serve -> ready with the template: {cold_start_s:.1f} s")
-        yield Booted(running, cold_start_s)
+def booted(appliance: Appliance, appliance_cold_start_s: float) -> Booted:
+    print(f"cold serve -> ready with the template: {appliance_cold_start_s:.1f} s")
+    return Booted(appliance, appliance_cold_start_s)
 
 
 def template_of(appliance: Appliance) -> psutil.Process:

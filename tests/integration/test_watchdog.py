@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.integration.harness import Appliance, running_appliance, worker_tree
+from load.kit.appliance import Appliance, running_appliance, worker_tree
 
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 

@@ -21,32 +21,18 @@ from pathlib import Path
 import httpx
 import psutil
 
-from appliance.settings import Settings
-from load.procstat import Usage, usage
-from load.rawclient import Target
+from appliance.core.settings import Settings
+from load.kit.appliance import first_event
+from load.kit.isolation import clean_env
+from load.kit.net import free_port
+from load.kit.processes import terminate
+from load.kit.procstat import Usage, usage
+from load.kit.rawclient import Target
 from tests.metrics_text import samples
-from tests.net import free_port
-from tests.support.isolation import clean_env
-from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT_S = 60.0
 STOP_S = 20.0
-
-
-Event = dict[str, object]
-
-
-def first_event(events: Callable[[], list[Event]], predicate: Callable[[Event], bool],
-                within_s: float = 5.0) -> Event | None:
-    """The first log event that satisfies `predicate`, polled for (a line about a request may
-    be written just after its answer went out); None if none came in time."""
-    deadline = time.monotonic() + within_s
-    while True:
-        found = next((event for event in events() if predicate(event)), None)
-        if found is not None or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.05)
 
 
 @dataclass
@@ -142,7 +128,7 @@ def settings_env(wanted: Mapping[str, object]) -> dict[str, str]:
 
 def _env(settings: Mapping[str, object], port: int, engine_port: int,
          upstream_args: Sequence[str]) -> dict[str, str]:
-    upstream = [sys.executable, "-m", "tests.support.synthetic_upstream", "--port",
+    upstream = [sys.executable, "-m", "load.kit.synthetic_worker", "--port",
                 str(engine_port), "--tokens", "8", *upstream_args]
     env = clean_env()
     env |= {

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import load_settings
-from supervisor.tls import fingerprint
+from appliance.core.settings import load_settings
+from supervisor.operator.tls import fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 # The service user need not exist here: chown is recorded, not run.
@@ -42,6 +42,7 @@ def test_a_self_signed_certificate_for_this_host_with_a_private_key(tmp_path: Pa
                                check=False).stdout.split()
     names += [f"IP Address:{a}" for a in addresses if ":" not in a]  # openssl prints v6 long
     assert all(name in text for name in names), text
+    assert "CA:FALSE" in text  # a server's own certificate: rustls (vllm-router) refuses a CA
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert f"chown chat-appliance:chat-appliance -- {key}" in (tmp_path / "chown.log").read_text()
     assert fingerprint(cert) in result.stdout
@@ -50,7 +51,7 @@ def test_a_self_signed_certificate_for_this_host_with_a_private_key(tmp_path: Pa
 
 
 def test_a_given_pair_is_used_as_it_is(tmp_path: Path) -> None:
-    from tests.support.certs import self_signed
+    from load.kit.certs import self_signed
 
     cert, key = self_signed(tmp_path, "operator")
     result = install_step('ensure_tls_certificate\necho "use $TLS_CERTFILE $TLS_KEYFILE"',

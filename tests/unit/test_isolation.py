@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from appliance import settings as settings_module
-from appliance.settings import CONFIG_ENV, Settings, load_settings
-from tests.support.isolation import NO_CONFIG, clean_env, isolate
+from appliance.core import settings as settings_module
+from appliance.core.sections import CONFIG_ENV
+from appliance.core.settings import Settings, load_settings
+from load.kit.isolation import NO_CONFIG, clean_env, isolate
 
 POISON = '[server]\napi_keys = ["sk-from-etc"]\n[policy]\nmax_n = 7\n'
-READ = ("import sys; from pathlib import Path; import appliance.settings as s; "
+READ = ("import sys; from pathlib import Path; import appliance.core.settings as s; "
         "s.SYSTEM_CONFIG = Path(sys.argv[1]); t = s.Settings(); "
         "print(t.policy.max_n, len(t.server.api_keys))")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
 from tests.monitoring_names import (
     ALERTS,

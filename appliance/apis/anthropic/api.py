@@ -7,15 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
+from appliance.answers.shape import StreamSoFar, sse_event
 from appliance.apis.anthropic.resume import MessagesRecord, plain_message
 from appliance.apis.api import ConversationApi, GenerationApi
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
-from appliance.apis.shape import StreamSoFar, sse_event
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
+from appliance.core.settings import Settings
 from appliance.fences.vllm import ANTHROPIC_DEATH, ANTHROPIC_REFUSAL
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults, tools_active
-from appliance.settings import Settings
 
 # Anthropic's error types, by the status the appliance answers with.
 _ANTHROPIC_TYPES = {

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.apis.shape import sse_event
+from appliance.answers.shape import sse_event
 from appliance.fences.vllm import MESSAGES_RENDER
 from appliance.recovery.stream import asks_any
 from appliance.recovery.text import TextRecord

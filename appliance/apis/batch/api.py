@@ -18,10 +18,11 @@ from appliance.apis.counting import (
     rendered_bound,
 )
 from appliance.apis.openai.api import CHAT, OPENAI
+from appliance.core.sections import PolicySettings
+from appliance.core.settings import Settings
 from appliance.policy import fanout, fields, surface
 from appliance.policy.fanout import check_conversations
 from appliance.policy.max_tokens import CHAT_BUDGET
-from appliance.settings import PolicySettings, Settings
 
 
 class BatchChatApi(GenerationApi):

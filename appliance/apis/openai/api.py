@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from appliance import policy
+from appliance.answers.shape import StreamSoFar
 from appliance.apis.api import ConversationApi, GenerationApi
 from appliance.apis.counting import (
     SAFETY_TOKENS,
@@ -17,12 +18,11 @@ from appliance.apis.counting import (
     chat_bound,
 )
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
-from appliance.apis.shape import StreamSoFar
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
+from appliance.core.settings import Settings
 from appliance.fences.vllm import OPENAI_DEATH, TOKEN_EVENT_END, TokenIds
 from appliance.policy import fields
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
-from appliance.settings import Settings
 
 
 class OpenAIShape:

@@ -12,12 +12,12 @@ from litestar.types import ASGIApp
 
 from appliance import policy
 from appliance.apis.openai.api import CHAT, COMPLETION
-from appliance.errors import BadRequest, NotFound, engine_unavailable
-from appliance.relay import RelayDeps
+from appliance.core.errors import BadRequest, NotFound, engine_unavailable
+from appliance.core.upstream import Upstream
+from appliance.proxy.relay import RelayDeps
 from appliance.routes.generation import RouteDeps, generation, read_json_body, relay_for
 from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
-from appliance.upstream import Upstream
 
 
 def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:

@@ -10,16 +10,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance import policy
+from appliance.answers.shape import StreamSoFar, sse_event
 from appliance.apis.api import GenerationApi, WorkerRoute
 from appliance.apis.counting import Limits, PromptCounter, chat_bound
 from appliance.apis.openai.api import OpenAIShape
 from appliance.apis.responses.resume import ResponsesRecord, plain_response
-from appliance.apis.shape import StreamSoFar, sse_event
-from appliance.errors import ApiError, BadRequest
+from appliance.core.errors import ApiError, BadRequest
+from appliance.core.settings import Settings
 from appliance.fences.vllm import RESPONSES_RENDER
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults, tools_active
-from appliance.settings import Settings
 
 _SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from appliance.engine import EngineView
-from appliance.errors import ApiError, BadRequest, NotFound
+from appliance.core.engine import EngineView
+from appliance.core.errors import ApiError, BadRequest, NotFound
 
 _STORE_NOTE = ("Stored responses live in the engine worker's memory: they are lost when it "
                "restarts, and not kept at all for a request sent with store false.")

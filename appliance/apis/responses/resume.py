@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.apis.shape import sse_event
+from appliance.answers.shape import sse_event
 from appliance.fences.vllm import RESPONSES_RENDER
 from appliance.recovery.stream import asks_any
 from appliance.recovery.text import TextRecord

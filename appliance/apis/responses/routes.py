@@ -14,9 +14,9 @@ from litestar.types import ASGIApp
 from appliance.apis.api import WorkerRoute
 from appliance.apis.responses.api import RESPONSES_CANCEL, RESPONSES_CREATE, RESPONSES_RETRIEVE
 from appliance.apis.responses.response_ids import ResponseIds
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.gate.gate import Vetted
-from appliance.outbound import PassThrough
+from appliance.proxy.outbound import PassThrough
 from appliance.routes.generation import RouteDeps, generation, relay_for
 from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post

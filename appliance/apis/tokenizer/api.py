@@ -9,9 +9,9 @@ from typing import Any
 from appliance import policy
 from appliance.apis.api import GenerationApi, WorkerRoute
 from appliance.apis.openai.api import OPENAI
+from appliance.core.settings import Settings
 from appliance.policy import fields, surface
 from appliance.policy.tools import apply_template_defaults
-from appliance.settings import Settings
 
 
 class TokenizeApi(GenerationApi):

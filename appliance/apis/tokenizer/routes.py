@@ -7,7 +7,7 @@ from __future__ import annotations
 from litestar.handlers import HTTPRouteHandler
 
 from appliance.apis.tokenizer.api import DETOKENIZE, TOKENIZE, TOKENIZER_INFO, VERSION
-from appliance.errors import ApiError, NotFound
+from appliance.core.errors import ApiError, NotFound
 from appliance.routes.generation import RouteDeps, generation, passed_through
 
 

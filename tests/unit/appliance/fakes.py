@@ -13,11 +13,11 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
-from appliance.edge import EdgeMetrics, edge_protocol
-from appliance.engine import EngineState, Waiting
-from appliance.settings import Settings
-from tests.net import free_port
-from tests.support.synthetic_upstream import SyntheticWorker
+from appliance.core.engine import EngineState, Waiting
+from appliance.core.settings import Settings
+from appliance.edge.limits import EdgeMetrics, edge_protocol
+from load.kit.net import free_port
+from load.kit.synthetic_worker import SyntheticWorker
 
 
 @dataclass

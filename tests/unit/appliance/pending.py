@@ -10,7 +10,7 @@ SECRET = b'{"messages": [{"role": "user", "content": "my secret prompt"}]}'
 
 @dataclass
 class Pending:
-    """appliance.engine.Pending, as an Outbound shows it to the supervisor."""
+    """appliance.core.engine.Pending, as an Outbound shows it to the supervisor."""
 
     raw: bytes
     target: str = "/v1/chat/completions"

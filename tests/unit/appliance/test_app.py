@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from appliance.engine import EngineState
-from tests.support.synthetic_upstream import SyntheticWorker
+from appliance.core.engine import EngineState
+from load.kit.synthetic_worker import SyntheticWorker
 from tests.unit.appliance.fakes import (
     FakeEngine,
     appliance,
@@ -22,7 +22,7 @@ from tests.unit.appliance.fakes import (
 pytestmark = pytest.mark.anyio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # Past the 10 s the upstream below takes to finish on its own: an abort is told apart by the
-# tokens it generated, not by how soon (the timing is load.bench_reactions's).
+# tokens it generated, not by how soon (the timing is load.bench.reactions's).
 NEVER_S = 30.0
 
 
@@ -40,12 +40,18 @@ async def test_not_ready_is_503_with_retry_after_in_the_openai_shape(state: Engi
             assert state.value in error["message"]
         health = await client.get("/health")
         assert health.status_code == 503 and health.json()["state"] == state.value
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503 and ready.headers["retry-after"] == "7"
+        assert ready.json() == {"ready": False, "state": state.value}
+        assert (await client.get("/livez")).status_code == 200  # alive: the supervisor runs
 
 
 async def test_ready_health_is_200_and_livez_answers() -> None:
     async with upstream() as (_, url), appliance(FakeEngine(url)) as client:
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/livez")).status_code == 200
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200 and "retry-after" not in ready.headers
 
 
 async def test_non_streaming_answer_is_passed_through_with_a_request_id() -> None:

@@ -16,12 +16,12 @@ import httptools
 import prometheus_client
 import pytest
 
-from appliance import relay as relay_module
+from appliance.core.sections import ConstraintSettings, ResumeSettings
 from appliance.fences.uvicorn import ClientLink
 from appliance.policy.cost_watch import CostWatch, Followed
+from appliance.proxy import pump as pump_module
+from appliance.proxy.pump import Pump
 from appliance.recovery.stream import StreamRecord
-from appliance.relay import Relay
-from appliance.settings import ConstraintSettings, ResumeSettings
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio
@@ -34,13 +34,13 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[bool]]:
     """What the relay said each time a read of the worker came for the client's connection:
     True written straight to it, False left to ASGI (the client not keeping up)."""
     seen: Counter[bool] = Counter()
-    write_direct = Relay._write_direct
+    write_direct = Pump._write_direct
 
-    def counted(self: Relay, chunk: bytes) -> bool:
+    def counted(self: Pump, chunk: bytes) -> bool:
         seen[result := write_direct(self, chunk)] += 1
         return result
 
-    monkeypatch.setattr(Relay, "_write_direct", counted)
+    monkeypatch.setattr(Pump, "_write_direct", counted)
     yield seen
 
 
@@ -85,7 +85,7 @@ async def test_a_direct_stream_keeps_its_records_unread_events_within_the_bound(
         writes, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The direct path appends each event to the record's `kept` itself and has it read once
     past the bound (here 600 bytes, a few events): a long stream is never kept whole."""
-    monkeypatch.setattr(relay_module, "KEPT_BYTES", 600)
+    monkeypatch.setattr(pump_module, "KEPT_BYTES", 600)
     reads: list[int] = []
     read_kept = StreamRecord.read_kept
 
@@ -152,7 +152,7 @@ def test_nothing_is_written_to_a_connection_being_closed() -> None:
 
 def answering(sink_answers: list[bool]) -> tuple[object, list[bytes]]:
     """A worker connection mid-answer (head parsed) whose sink says `sink_answers` in turn."""
-    from appliance.upstream import _Connection
+    from appliance.core.upstream import _Connection
 
     conn, offered = _Connection(), []
     conn.transport = SimpleNamespace(pause_reading=lambda: None)  # type: ignore[assignment]
@@ -194,19 +194,9 @@ def test_the_end_of_an_answer_is_left_to_go_out_with_the_end_of_the_response() -
 async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
     """Once the whole answer is in, its last chunk rides on the final ASGI message, which
     uvicorn writes with the chunked terminator: one write where there were two."""
-    from prometheus_client import CollectorRegistry
-
     from appliance.admission.usage import Meter
-    from appliance.apis.openai.api import CHAT
-    from appliance.gate.gate import Vetted
-    from appliance.metrics import RequestMetrics
-    from appliance.relay import Relay
 
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings(),
-                           engine=FakeEngine("http://127.0.0.1:9"))
-    relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
-    relay._route, relay._link, relay._arrived = "/v1/chat/completions", None, time.perf_counter()
-    relay._cost = followed()
+    pump = stream_pump(None)
 
     class Reply:
         status, headers, complete = 200, [], False  # type: ignore[var-annotated]
@@ -222,8 +212,9 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
         sent.append(message)
 
     disarmed: list[bool] = []
-    last = await relay._stream(send, Reply(), SimpleNamespace(  # type: ignore[arg-type]
-        disarm=lambda: disarmed.append(True)), Meter(False), 1)
+    reply = Reply()
+    watch = SimpleNamespace(disarm=lambda: disarmed.append(True), exchange=reply)
+    last = await pump.stream(send, reply, reply.chunks(), watch, Meter(False))  # type: ignore[arg-type]
     bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert bodies == [b"data: 1\n\n"] and disarmed
     assert last == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
@@ -231,21 +222,10 @@ async def test_the_last_of_a_stream_goes_with_its_end_in_one_message() -> None:
 
 async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_asgi() -> None:
     """While the relay task's send of a buffered chunk waits, a newer chunk must not pass it."""
-    from prometheus_client import CollectorRegistry
-
     from appliance.admission.usage import Meter
-    from appliance.apis.openai.api import CHAT
-    from appliance.gate.gate import Vetted
-    from appliance.metrics import RequestMetrics
-    from appliance.relay import Relay
 
     cycle = Cycle()
-    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings(),
-                           engine=FakeEngine("http://127.0.0.1:9"))
-    relay = Relay(Vetted(CHAT, {"stream": True}, b"{}"), deps, "rid", {})  # type: ignore[arg-type]
-    relay._route, relay._link = "/v1/chat/completions", ClientLink(cycle)
-    relay._cost = followed()
-    relay._arrived = time.perf_counter()
+    pump = stream_pump(ClientLink(cycle))
 
     class Reply:
         status, headers, complete = 200, [], False  # type: ignore[var-annotated]
@@ -263,8 +243,8 @@ async def test_no_event_goes_direct_while_an_earlier_one_is_on_its_way_through_a
         if message["type"] == "http.response.body":
             while_sending.append(reply.sink(b"data: second\n\n"))  # type: ignore[misc]
 
-    last = await relay._stream(send, reply, SimpleNamespace(disarm=lambda: None),  # type: ignore[arg-type]
-                               Meter(False), 1)
+    watch = SimpleNamespace(disarm=lambda: None, exchange=reply)
+    last = await pump.stream(send, reply, reply.chunks(), watch, Meter(False))  # type: ignore[arg-type]
     assert while_sending == [False] and cycle.written == []
     assert last == {"type": "http.response.body", "body": b"", "more_body": False}
 
@@ -321,7 +301,7 @@ def test_the_link_does_not_keep_the_request_alive() -> None:
 async def test_the_watch_cancels_its_task_when_the_client_goes(linked: bool) -> None:
     """Through the link where the server gives one (receive() then never says a thing),
     else by a task waiting in receive()."""
-    from appliance.relay import Watch
+    from appliance.proxy.watch import Watch
 
     cycle, said = Cycle(), asyncio.Event()
 
@@ -369,6 +349,23 @@ async def test_cancelling_requests_leaves_no_garbage_for_the_collector() -> None
             gc.garbage.clear()
             gc.enable()
     assert kinds["RequestResponseCycle"] == 0 and kinds["Watch"] == 0, kinds
+
+
+def stream_pump(link: ClientLink | None) -> Pump:
+    """The pump of a chat stream, as the relay makes one for a request at the engine."""
+    from prometheus_client import CollectorRegistry
+
+    from appliance.apis.openai.api import CHAT
+    from appliance.gate.gate import Vetted
+    from appliance.observe.metrics import RequestMetrics
+    from appliance.proxy.request import Ticket
+
+    deps = SimpleNamespace(metrics=RequestMetrics(CollectorRegistry()), resume=ResumeSettings(),
+                           engine=FakeEngine("http://127.0.0.1:9"))
+    ticket = Ticket(Vetted(CHAT, {"stream": True}, b"{}"), "rid", "/v1/chat/completions", {})
+    pump = Pump(ticket, deps, link, time.perf_counter())  # type: ignore[arg-type]
+    pump.cost = followed()
+    return pump
 
 
 def followed() -> Followed:

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from appliance.app import create_app
-from appliance.context import add_request_fields, request_context
-from appliance.settings import Settings
-from tests.support.synthetic_upstream import SyntheticWorker
+from appliance.core.context import add_request_fields, request_context
+from appliance.core.settings import Settings
+from load.kit.synthetic_worker import SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, free_port, serving
 
 pytestmark = pytest.mark.anyio

@@ -7,9 +7,9 @@ import contextlib
 
 import pytest
 
-import appliance.engine
-from appliance.engine import Waiting, fingerprint
-from appliance.errors import BadRequest, UpstreamError, engine_lost
+import appliance.core.engine
+from appliance.core.engine import Waiting, fingerprint
+from appliance.core.errors import BadRequest, UpstreamError, engine_lost
 from tests.unit.appliance.pending import SECRET, Pending
 
 
@@ -53,13 +53,13 @@ def test_a_name_is_fixed_at_the_first_send_and_hashed_only_when_asked_for(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Most requests meet no death and no suspect: their send costs no hash."""
     hashed: list[bytes] = []
-    real = appliance.engine.fingerprint
+    real = appliance.core.engine.fingerprint
 
     def counted(route: str, client: str, body: bytes) -> str:
         hashed.append(body)
         return real(route, client, body)
 
-    monkeypatch.setattr(appliance.engine, "fingerprint", counted)
+    monkeypatch.setattr(appliance.core.engine, "fingerprint", counted)
     waiting, key = Waiting(), object()
     waiting.add(key, "req-9", Pending(SECRET))
     waiting.name(key, SECRET)

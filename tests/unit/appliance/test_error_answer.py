@@ -9,10 +9,10 @@ from typing import Any
 import httptools
 from structlog.testing import capture_logs
 
+from appliance.answers.answer import error_answer
 from appliance.apis.anthropic.api import ANTHROPIC
 from appliance.apis.openai.api import OPENAI
-from appliance.error_answer import error_answer
-from appliance.errors import (
+from appliance.core.errors import (
     BadRequest,
     EngineUnavailable,
     HeadersTooLarge,

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from appliance.app import create_app
-from appliance.settings import Settings
-from load.rawclient import Conn, Reply, Stalled, request_head
+from appliance.core.settings import Settings
+from load.kit.rawclient import Conn, Reply, Stalled, request_head
 from tests.support.stack import Stack, running_stack
 from tests.unit.appliance.edge.shapes import EXTRA, SHAPE
 from tests.unit.appliance.fakes import FakeEngine, upstream

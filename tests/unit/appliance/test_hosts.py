@@ -11,8 +11,9 @@ import pytest
 from litestar import Litestar
 
 from appliance.app import create_app
-from appliance.hosts import AllowedHosts
-from appliance.settings import ServerSettings, Settings
+from appliance.core.sections import ServerSettings
+from appliance.core.settings import Settings
+from appliance.edge.hosts import AllowedHosts
 from tests.unit.appliance.fakes import FakeEngine
 from tests.unit.appliance.routes.test_routes import every_route
 

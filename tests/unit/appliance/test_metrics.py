@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-import appliance.metrics
-import appliance.relay
+import appliance.observe.metrics
+import appliance.proxy.pump
 from appliance.admission.slots import Admission
 from appliance.app import create_app
-from appliance.engine import EngineState
-from appliance.settings import Settings
+from appliance.core.engine import EngineState
+from appliance.core.settings import Settings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
@@ -73,8 +73,8 @@ async def test_time_to_first_token_runs_from_the_request_through_its_wait_for_a_
     import httpx
 
     clock = ShiftedClock()
-    monkeypatch.setattr(appliance.metrics, "time", clock)
-    monkeypatch.setattr(appliance.relay, "time", clock)
+    monkeypatch.setattr(appliance.observe.metrics, "time", clock)
+    monkeypatch.setattr(appliance.proxy.pump, "time", clock)
     admission = Admission(1, queue_max=1, queue_wait_s=60)
     chat = "/v1/chat/completions"
     async with upstream() as (_, url):

@@ -17,16 +17,17 @@ from appliance.admission.slots import Admission
 from appliance.apis.anthropic.api import MESSAGES
 from appliance.apis.openai.api import CHAT
 from appliance.apis.tokenizer.api import VERSION
-from appliance.engine import EngineState
-from appliance.errors import ApiError, NotFound, engine_lost
+from appliance.core.engine import EngineState
+from appliance.core.errors import ApiError, NotFound, engine_lost
+from appliance.core.sections import ConstraintSettings, ResumeSettings
+from appliance.core.settings import Settings
 from appliance.gate.gate import Vetted
-from appliance.metrics import RequestMetrics
-from appliance.outbound import PassThrough
+from appliance.observe.metrics import RequestMetrics
 from appliance.policy.constraints import check_constraints
 from appliance.policy.cost_watch import CostWatch
+from appliance.proxy.outbound import PassThrough
+from appliance.proxy.relay import Relay, RelayDeps
 from appliance.recovery.quarantine import Quarantine
-from appliance.relay import Relay, RelayDeps
-from appliance.settings import ConstraintSettings, ResumeSettings, Settings
 from tests.metrics_text import value
 from tests.unit.appliance.fakes import FakeEngine
 
@@ -738,3 +739,39 @@ async def test_a_messages_refusal_the_stream_lost_the_reason_of_ends_with_that_r
     assert error["error"]["message"] == "Grammar error: unclosed group"
     (path, asked), = worker.asked
     assert path == "/v1/messages" and asked["stream"] is False and asked["max_tokens"] == 1
+
+
+class Exchange:
+    """What the watch may break: a worker's answer being read."""
+
+    aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("resume", [True, False])
+async def test_an_engine_loss_breaks_the_exchange_where_it_may_be_outlived(resume: bool) -> None:
+    """With resume the watch aborts the exchange under way (its reader hears the fault and
+    recovers) and leaves its owner running; without, it cancels the owner as engine_lost."""
+    from appliance.proxy.watch import Watch
+
+    engine, exchange, never = FakeEngine("http://127.0.0.1:9"), Exchange(), asyncio.Event()
+    watch = Watch(lambda: never.wait(), engine, None, breaks_exchange=resume)  # type: ignore[arg-type, return-value]
+    watch.exchange = exchange  # type: ignore[assignment]
+
+    async def owner() -> None:
+        with watch:
+            await asyncio.sleep(0.05)
+            engine.fire_lost()
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(owner())
+    if resume:
+        await task
+        assert exchange.aborted and watch.reason is None
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not exchange.aborted and watch.reason == "engine_lost"
+    assert watch.exchange is None  # left: the watch keeps nothing of the request

@@ -15,9 +15,9 @@ from appliance.admission.clients import Client
 from appliance.apis.anthropic.api import MESSAGES
 from appliance.apis.openai.api import CHAT
 from appliance.apis.responses.api import RESPONSES_CREATE
-from appliance.errors import TooManyRequests
+from appliance.core.errors import TooManyRequests
+from appliance.core.settings import Settings
 from appliance.gate.gate import Vetted
-from appliance.settings import Settings
 from tests.unit.appliance.apis import test_anthropic_resume as anthropic
 from tests.unit.appliance.apis import test_responses_resume as responses
 from tests.unit.appliance.apis.test_openai_resume import ROLE_IDS, content

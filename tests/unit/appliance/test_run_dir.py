@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import settings as settings_module
-from appliance.settings import SYSTEM_RUNTIME, SYSTEM_STATE, ServerSettings, default_run_dir
+from appliance.core import sections as settings_module
+from appliance.core.sections import SYSTEM_RUNTIME, SYSTEM_STATE, ServerSettings, default_run_dir
 
 
 @pytest.fixture

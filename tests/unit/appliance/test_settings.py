@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import ConfigError, load_settings, masked_dump
-from tests.support.isolation import NO_CONFIG
+from appliance.core.settings import ConfigError, load_settings, masked_dump
+from load.kit.isolation import NO_CONFIG
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +116,7 @@ def test_every_setting_is_documented_in_the_example_with_its_default() -> None:
     with a documented default)."""
     import tomllib
 
-    from appliance.settings import Settings
+    from appliance.core.settings import Settings
 
     example = Path(__file__).resolve().parents[3] / "config" / "chat-appliance.toml"
     sections: dict[str, dict[str, object]] = {}

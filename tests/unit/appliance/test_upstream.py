@@ -13,10 +13,10 @@ from urllib.parse import quote
 
 import pytest
 
-from appliance.errors import EngineUnavailable
-from appliance.settings import ServerSettings
-from appliance.upstream import Limits, Reply, Upstream
-from tests.net import free_port
+from appliance.core.errors import EngineUnavailable
+from appliance.core.sections import ServerSettings
+from appliance.core.upstream import Limits, Reply, Upstream
+from load.kit.net import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import EngineSettings
-from appliance.worker_address import WorkerAddress
+from appliance.core.sections import EngineSettings
+from appliance.core.worker_address import WorkerAddress
 
 
 def test_the_settings_socket_path_comes_back_whole_from_the_url(tmp_path: Path) -> None:

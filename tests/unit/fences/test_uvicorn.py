@@ -15,8 +15,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from appliance.fences.uvicorn import ApiServer, ClientLink, Connection, client_link, listener
-from tests.net import free_port
-from tests.support.certs import self_signed
+from load.kit.certs import self_signed
+from load.kit.net import free_port
 from tests.unit.appliance.fakes import eventually
 from tests.unit.fences.contract import Fence
 

@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from appliance.core.sections import CHECKOUT_ROOT, default_engine_python
 from appliance.fences import vllm
 from appliance.policy import fields
-from appliance.settings import CHECKOUT_ROOT, default_engine_python
 from tests.unit.fences.contract import Fence
 
 # What the engine venv's interpreter reports about the vLLM installed there.
@@ -225,7 +225,7 @@ def test_chat_and_completions_streams_can_carry_their_token_ids() -> None:
 
 
 def test_an_anthropic_stream_tells_of_its_dead_engine_core_in_the_words_recovery_looks_for() -> None:
-    """The relay reads this event as the engine's death (appliance/relay.py), never relays it."""
+    """The relay reads this event as the engine's death (appliance/proxy/relay.py), never relays it."""
     converter = engine_sources("vllm/entrypoints/anthropic/serving.py")
     VLLM.require("ChatCompletionStreamResponse.model_validate_json" in converter
                  and 'type="internal_error", message=sanitize_message(str(e))' in converter,
@@ -248,7 +248,7 @@ def test_generation_bodies_render_as_generating_them_would() -> None:
 
 def test_a_read_ending_with_a_token_event_holds_no_death_of_the_engine() -> None:
     """The relay searches a chat or completions read for the death's error event only where it
-    does not end with a token event (appliance/relay.py, TOKEN_EVENT_END): the generators write
+    does not end with a token event (appliance/proxy/relay.py, TOKEN_EVENT_END): the generators write
     that error as their last event but [DONE], and it ends otherwise."""
     for route in ("chat_completion", "completion"):
         serving = engine_sources(f"vllm/entrypoints/openai/{route}/serving.py")

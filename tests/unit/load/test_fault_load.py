@@ -1,4 +1,4 @@
-"""The fault-load clients ask again after a 503 as the SDKs do (load/fault_load.py)."""
+"""The fault-load clients ask again after a 503 as the SDKs do (load/faults/run.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from load.fault_load import ask
+from load.faults.run import ask
 
 pytestmark = pytest.mark.anyio
 ANSWER = {"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},

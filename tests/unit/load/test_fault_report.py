@@ -3,9 +3,9 @@ the signal and the new worker's readiness), the others apart, and two runs side 
 
 from __future__ import annotations
 
-from load.chaos import Strike
-from load.fault_report import account, side_by_side
-from load.seams import Facts, Result
+from load.faults.chaos import Strike
+from load.faults.report import account, side_by_side
+from load.faults.seams import Facts, Result
 
 
 def answered(started: float, ended: float, text: str = "ok", status: int = 200,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from load.procstat import cpu_ns, thread_cpu_ns
+from load.kit.procstat import cpu_ns, thread_cpu_ns
 
 # A child whose thread burns CPU and ends; it prints what that thread used, then waits.
 CHILD = """

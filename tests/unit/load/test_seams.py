@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from load.seams import (
+from load.faults.seams import (
     Event,
     Result,
     anthropic_events,

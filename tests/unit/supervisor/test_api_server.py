@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from appliance.fences.uvicorn import ApiServer
-from tests.net import free_port
+from load.kit.net import free_port
 from tests.unit.appliance.fakes import eventually
 
 pytestmark = pytest.mark.anyio

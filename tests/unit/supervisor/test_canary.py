@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from appliance.engine import EngineState
-from appliance.settings import CanarySettings, EngineSettings
-from supervisor.canary import (
+from appliance.core.engine import EngineState
+from appliance.core.sections import CanarySettings, EngineSettings
+from supervisor.observe.collector import SupervisorCollector
+from supervisor.selftest.canary import (
     PROMPTS,
     Answers,
     CanaryKey,
@@ -22,7 +23,6 @@ from supervisor.canary import (
     differing,
     judge,
 )
-from supervisor.collector import SupervisorCollector
 from tests.metrics_text import value
 from tests.unit.supervisor.test_collector import FakeManager, FakeProgress
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from appliance.engine import EngineState
-from supervisor.collector import SupervisorCollector
+from appliance.core.engine import EngineState
 from supervisor.engine.stats import EngineStats, parse_engine_stats
+from supervisor.observe.collector import SupervisorCollector
 from tests.metrics_text import value
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from appliance.admission.clients import Roster
 from appliance.app import create_app
-from appliance.errors import ApiError
-from appliance.settings import load_settings
-from supervisor.control import ask, control_socket, peer_uid
-from supervisor.reload import Reloader
+from appliance.core.errors import ApiError
+from appliance.core.settings import load_settings
+from supervisor.operator.control import ask, control_socket, peer_uid
+from supervisor.operator.reload import Reloader
 from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio

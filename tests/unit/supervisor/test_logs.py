@@ -11,9 +11,9 @@ from datetime import UTC, datetime
 import pytest
 import structlog
 
-from appliance.context import CLIENT_NAME, REQUEST_ID_VAR, TRACE_ID_VAR
-from appliance.settings import LoggingSettings
-from supervisor import logs
+from appliance.core.context import CLIENT_NAME, REQUEST_ID_VAR, TRACE_ID_VAR
+from appliance.core.sections import LoggingSettings
+from supervisor.observe import logs
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import CrashSettings
+from appliance.core.sections import CrashSettings
 from supervisor.forensics.bundles import Bundles
-from supervisor.private import private_dir, write_private
+from supervisor.operator.private import private_dir, write_private
 
 
 # Common, none at all, and one that takes the owner's own write bit.

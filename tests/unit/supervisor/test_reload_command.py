@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from appliance.settings import CONFIG_ENV
-from tests.net import free_port
-from tests.support.isolation import NO_CONFIG
+from appliance.core.sections import CONFIG_ENV
+from load.kit.isolation import NO_CONFIG
+from load.kit.net import free_port
 
 
 def reload(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from supervisor.sdnotify import ENV_VARS, Notifier
+from supervisor.operator.sdnotify import ENV_VARS, Notifier
 
 
 class Systemd:

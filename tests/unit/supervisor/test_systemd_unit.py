@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import SupervisorSettings
+from appliance.core.sections import SupervisorSettings
 
 UNIT = Path(__file__).resolve().parents[3] / "systemd" / "chat-appliance.service"
 INSTALLED_EXEC = "/opt/chat-appliance/venv/bin/chat-appliance"
@@ -107,7 +107,7 @@ def test_reload_reaches_the_control_socket_in_the_runtime_directory(
     """ExecStart and ExecReload both get $RUNTIME_DIRECTORY, the service user's own directory
     made afresh at every start (nothing a root run left can be in its way): the socket the
     service makes there is the one ExecReload, and an operator's shell, ask."""
-    from appliance import settings as settings_module
+    from appliance.core import sections as settings_module
 
     assert values("ExecReload") == [f"{INSTALLED_EXEC} reload"]
     assert values("User") == ["chat-appliance"]

@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.settings import ConfigError, load_settings
-from supervisor.tls import fingerprint
-from tests.support.certs import der_sha256, self_signed
+from appliance.core.settings import ConfigError, load_settings
+from load.kit.certs import der_sha256, self_signed
+from supervisor.operator.tls import fingerprint
 from tests.support.stack import ROOT, Stack, running_stack
 
 README = ROOT / "README.md"

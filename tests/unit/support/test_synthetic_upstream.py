@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.synthetic_upstream import SyntheticWorker
+from load.kit.synthetic_worker import SyntheticWorker
 
 pytestmark = pytest.mark.anyio
 UNIT = Path(__file__).resolve().parents[1]

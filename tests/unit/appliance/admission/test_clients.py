@@ -9,8 +9,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from appliance.admission.clients import ANONYMOUS, Client, ClientTable, Roster
-from appliance.errors import Unauthorized
-from appliance.settings import ConfigError, Settings
+from appliance.core.errors import Unauthorized
+from appliance.core.settings import ConfigError, Settings
 
 BATCH_KEY = "sk-batch-secret"
 UI_KEY = "sk-ui-secret"
@@ -112,7 +112,7 @@ def test_an_ambiguous_or_malformed_clients_table_is_a_config_error_that_shows_no
         admission: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    from appliance.settings import load_settings
+    from appliance.core.settings import load_settings
 
     monkeypatch.setenv("CHAT_APPLIANCE_ADMISSION__CLIENTS", json.dumps(admission["clients"]))
     with pytest.raises(ConfigError) as refused:

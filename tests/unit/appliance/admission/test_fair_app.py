@@ -16,10 +16,10 @@ from structlog.testing import capture_logs
 
 from appliance.admission.slots import Admission
 from appliance.app import create_app
-from appliance.context import add_request_fields
-from appliance.settings import Settings
+from appliance.core.context import add_request_fields
+from appliance.core.settings import Settings
+from load.kit.synthetic_worker import FINGERPRINT, SyntheticWorker
 from tests.metrics_text import value
-from tests.support.synthetic_upstream import FINGERPRINT, SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ import pytest
 
 from appliance.admission.clients import Client
 from appliance.admission.slots import Admission
-from appliance.errors import TooManyRequests
+from appliance.core.errors import TooManyRequests
 from tests.unit.appliance.admission.test_slots import A, B, C, FakeClock, holders, settle
 
 pytestmark = pytest.mark.anyio

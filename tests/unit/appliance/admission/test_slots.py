@@ -10,7 +10,7 @@ import pytest
 
 from appliance.admission.clients import Client
 from appliance.admission.slots import Admission
-from appliance.errors import TooManyRequests
+from appliance.core.errors import TooManyRequests
 
 pytestmark = pytest.mark.anyio
 A, B, C = Client("a"), Client("b"), Client("c")

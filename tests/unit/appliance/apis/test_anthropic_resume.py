@@ -12,7 +12,8 @@ import pytest
 
 from appliance.apis.anthropic.api import MESSAGES
 from appliance.apis.anthropic.resume import MessagesRecord, plain_message
-from appliance.settings import EngineSettings, Settings
+from appliance.core.sections import EngineSettings
+from appliance.core.settings import Settings
 from tests.unit.appliance.recovery.test_text import GREEDY, Worker, captured, completion
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from appliance.apis.openai.resume import ChatRecord, CompletionRecord, plain_stream
-from appliance.errors import UpstreamError
+from appliance.core.errors import UpstreamError
 from appliance.recovery.stream import KEPT_BYTES, remaining
 from tests.unit.appliance.recovery.test_text import GREEDY, Worker
 

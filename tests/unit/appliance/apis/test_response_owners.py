@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from appliance.apis.responses.response_ids import ResponseIds
-from appliance.errors import NotFound
+from appliance.core.errors import NotFound
 from tests.unit.appliance.fakes import FakeEngine, appliance, upstream
 
 pytestmark = pytest.mark.anyio

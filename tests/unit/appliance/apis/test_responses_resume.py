@@ -12,7 +12,8 @@ import pytest
 
 from appliance.apis.responses.api import RESPONSES_CREATE
 from appliance.apis.responses.resume import ResponsesRecord, plain_response
-from appliance.settings import EngineSettings, Settings
+from appliance.core.sections import EngineSettings
+from appliance.core.settings import Settings
 from tests.unit.appliance.recovery.test_text import BODY, GREEDY, PROMPT, Worker, captured, completion
 
 pytestmark = pytest.mark.anyio

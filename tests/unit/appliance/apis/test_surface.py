@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from appliance.engine import EngineState
+from appliance.core.engine import EngineState
 from tests.unit.appliance.fakes import (
     FakeEngine,
     appliance,

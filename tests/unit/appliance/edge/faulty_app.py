@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from appliance.app import create_app
-from appliance.settings import LoggingSettings, Settings
-from supervisor import logs
+from appliance.core.sections import LoggingSettings
+from appliance.core.settings import Settings
+from supervisor.observe import logs
 from tests.unit.appliance.fakes import FakeEngine
 
 

@@ -27,7 +27,7 @@ QUICK_S = 5.0  # "answered quickly": refused or served, not worked through for a
 # /livez while the edge is under attack: every poll is answered, none after a wait of seconds
 # (a loop that works through a flood before anything else). How fast it answers is timing, and
 # timing on 2 shared cores is the machine's load as much as the appliance's: `python -m
-# load.hostile` measures /livez p50 and p99 per attack (the stalls on 64a2e0c were 1.2-4.8 s;
+# load.hostile.run` measures /livez p50 and p99 per attack (the stalls on 64a2e0c were 1.2-4.8 s;
 # a healthy edge stays under 0.5 s there).
 LIVEZ_WORST_S = QUICK_S
 RSS_GROWTH_MIB = 64  # what an attack may leave the appliance's resident memory grown by

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from load.attacks import big_chat_body
-from load.honest import poll_livez_during
+from load.hostile.attacks import big_chat_body
+from load.hostile.honest import poll_livez_during
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
 from tests.unit.appliance.edge.limits import LIVEZ_WORST_S

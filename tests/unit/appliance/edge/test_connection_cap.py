@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from load.rawclient import Conn, Stalled, request_head
+from load.kit.rawclient import Conn, Stalled, request_head
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
 from tests.unit.appliance.edge.limits import QUICK_S

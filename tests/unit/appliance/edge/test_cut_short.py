@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from load.rawclient import Conn, request_head
+from load.kit.rawclient import Conn, request_head
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from load.kit.synthetic_worker import MAX_MODEL_LEN
+from load.kit.vllm_shapes import REJECT_MARKER
 from tests.support.stack import Stack
-from tests.support.synthetic_upstream import MAX_MODEL_LEN
-from tests.support.vllm_shapes import REJECT_MARKER
 
 HI = [{"role": "user", "content": "hi"}]
 CLAMP = "x-max-tokens-clamped"

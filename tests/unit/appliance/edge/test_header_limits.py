@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from load.honest import poll_livez_during
-from load.procstat import MIB, PeakSampler
-from load.rawclient import Conn, HeaderItem, Reply, Stalled, request_head
+from load.hostile.honest import poll_livez_during
+from load.kit.procstat import MIB, PeakSampler
+from load.kit.rawclient import Conn, HeaderItem, Reply, Stalled, request_head
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.limits import LIVEZ_WORST_S, QUICK_S, RSS_GROWTH_MIB
 

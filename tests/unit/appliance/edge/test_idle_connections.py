@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from load.rawclient import Conn, Stalled, json_request, request_head
+from load.kit.rawclient import Conn, Stalled, json_request, request_head
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
 from tests.unit.appliance.edge.limits import CUT_OFF_S, FD_SLACK, PHASE_TIMEOUT_S

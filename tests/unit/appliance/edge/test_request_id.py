@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from load.procstat import MIB
-from load.rawclient import Conn, Reply, json_request
+from load.kit.procstat import MIB
+from load.kit.rawclient import Conn, Reply, json_request
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.limits import QUICK_S
 

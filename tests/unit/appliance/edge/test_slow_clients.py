@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from load.rawclient import Conn, Reply, Stalled, request_head
+from load.kit.rawclient import Conn, Reply, Stalled, request_head
 from tests.support.stack import Stack
 from tests.unit.appliance.edge.conftest import boot
 from tests.unit.appliance.edge.limits import CUT_OFF_S, PHASE_TIMEOUT_S, QUICK_S

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.certs import self_signed
+from load.kit.certs import self_signed
 from tests.support.stack import Stack, running_stack
 
 CAP = 6

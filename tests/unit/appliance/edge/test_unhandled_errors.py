@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load.kit.net import free_port
+from load.kit.processes import terminate
 from tests.metrics_text import samples
-from tests.net import free_port
-from tests.support.processes import terminate
 from tests.support.stack import ROOT
 from tests.unit.appliance.edge.shapes import assert_openai_error
 

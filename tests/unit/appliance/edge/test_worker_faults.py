@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from load.kit.vllm_shapes import CRASH_MARKER, REJECT_MARKER
 from tests.support.stack import Stack
-from tests.support.vllm_shapes import CRASH_MARKER, REJECT_MARKER
 from tests.unit.appliance.edge.shapes import assert_openai_error
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.apis.api import GenerationApi
+from appliance.core.settings import Settings
 from appliance.gate.budget import BudgetFitter
 from appliance.gate.gate import Gate, Vetted
-from appliance.settings import Settings
 
 MODEL = "counting-model"
 

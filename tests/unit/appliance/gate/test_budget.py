@@ -13,9 +13,9 @@ from appliance.apis.api import GenerationApi
 from appliance.apis.batch.api import BATCH_CHAT
 from appliance.apis.openai.api import CHAT, COMPLETION
 from appliance.apis.responses.api import RESPONSES_CREATE
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
+from appliance.core.sections import PolicySettings
 from appliance.gate.budget import BudgetFitter
-from appliance.settings import PolicySettings
 from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from appliance.apis.openai.api import CHAT
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
+from appliance.core.settings import Settings
 from appliance.gate.gate import Gate
-from appliance.settings import Settings
 
 
 def gate(**policy: object) -> Gate:

@@ -8,7 +8,7 @@ import hmac
 import pytest
 
 from appliance.apis.openai.api import OPENAI
-from appliance.errors import Unauthorized
+from appliance.core.errors import Unauthorized
 from appliance.policy.auth import digest, match_key
 
 KEYS = ["sk-first-key", "sk-second-key"]

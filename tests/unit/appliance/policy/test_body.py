@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy import parse_json, validate_chat, validate_completion
 
 

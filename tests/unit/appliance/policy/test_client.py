@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy.client import ask_usage, cap_max_tokens, drop_priority
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET
 

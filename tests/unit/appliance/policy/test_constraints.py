@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
+from appliance.core.sections import ConstraintSettings
 from appliance.policy.constraints import (
     check_constraints,
     find_constraints,
     measure_grammar,
     measure_regex,
 )
-from appliance.settings import ConstraintSettings
 
 LIMITS = ConstraintSettings()
 

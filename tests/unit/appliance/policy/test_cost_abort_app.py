@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from appliance.app import create_app
-from appliance.settings import Settings
+from appliance.core.settings import Settings
 from tests.unit.appliance.fakes import FakeEngine, eventually, free_port, serving, upstream
 
 pytestmark = pytest.mark.anyio

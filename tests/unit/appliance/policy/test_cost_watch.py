@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from appliance.core.sections import ConstraintSettings
 from appliance.policy.constraints import check_constraints
 from appliance.policy.cost_watch import CostWatch, Followed, tokens_in, tokens_per_event
-from appliance.settings import ConstraintSettings
 
 # Each request as the watch follows it: by its constraint's parameter, as the gate names it.
 GRAMMAR = check_constraints(

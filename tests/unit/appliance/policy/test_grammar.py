@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
+from appliance.core.sections import ConstraintSettings
 from appliance.policy.constraints import check_constraints
 from appliance.policy.grammar import unfinishable_root
-from appliance.settings import ConstraintSettings
 
 NEVER = {
     "root ::= root": "root",

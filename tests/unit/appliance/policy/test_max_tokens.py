@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.apis.openai.api import CHAT, COMPLETION
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy import CLAMP_HEADER, Clamp, clamp_max_tokens, header_value
 from appliance.policy.max_tokens import CHAT_BUDGET, COMPLETION_BUDGET, effective_prompt_tokens
 from tests.unit.appliance.gate.counting import counting_gate, through

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy import MediaPart, check_media, find_media_parts
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 24

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance.apis.openai.api import CHAT, OPENAI
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
 from appliance.policy import parse_json, validate_chat, validate_completion
 from appliance.policy.max_tokens import CHAT_BUDGET, effective_prompt_tokens
 from tests.unit.appliance.gate.counting import counting_gate, through

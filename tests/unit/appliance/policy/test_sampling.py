@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy import check_n
 
 

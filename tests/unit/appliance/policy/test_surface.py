@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
+from appliance.answers.shape import StreamSoFar
 from appliance.apis.anthropic.api import ANTHROPIC, MESSAGES, anthropic_type
 from appliance.apis.responses.api import RESPONSES, RESPONSES_CREATE
 from appliance.apis.responses.response_ids import ResponseIds
-from appliance.apis.shape import StreamSoFar
 from appliance.apis.tokenizer.api import TOKENIZE
-from appliance.errors import BadRequest, EngineUnavailable, NotFound, UpstreamError
+from appliance.core.errors import BadRequest, EngineUnavailable, NotFound, UpstreamError
+from appliance.core.settings import Settings
 from appliance.policy import check_media, surface
 from appliance.policy.media import find_anthropic_media, find_batch_media_parts, find_responses_media
-from appliance.settings import Settings
 from tests.unit.appliance.fakes import FakeEngine
 
 HI = [{"role": "user", "content": "hi"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy.token_ids import check_token_ids, vocabulary_size
 
 

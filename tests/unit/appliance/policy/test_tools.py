@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from appliance.errors import BadRequest
+from appliance.core.errors import BadRequest
 from appliance.policy import apply_thinking, check_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from appliance.engine import Waiting
-from appliance.errors import ApiError
+from appliance.core.engine import Waiting
+from appliance.core.errors import ApiError
+from appliance.core.sections import ResumeSettings
 from appliance.recovery.quarantine import Quarantine
-from appliance.settings import ResumeSettings
 from tests.unit.appliance.pending import Pending
 
 
@@ -130,7 +130,7 @@ def test_an_answer_in_full_clears_the_deaths_a_fingerprint_was_in_flight_at() ->
 
 class Relayed:
     """The calls one request's relay makes on Waiting and the quarantine, in its order
-    (appliance/relay.py): send, outlive a death (set aside, checked, sent to the next worker),
+    (appliance/proxy/relay.py): send, outlive a death (set aside, checked, sent to the next worker),
     leave; and the forensics' description of a death (supervisor/forensics/recorder.py)."""
 
     def __init__(self, waiting: Waiting, q: Quarantine, body: bytes) -> None:

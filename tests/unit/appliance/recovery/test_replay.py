@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from appliance.engine import EngineState
-from appliance.errors import EngineUnavailable, UpstreamError, engine_lost
+from appliance.core.engine import EngineState
+from appliance.core.errors import EngineUnavailable, UpstreamError, engine_lost
 from appliance.recovery.replay import Fate, engine_back, engine_died, engine_fault, worker_fate
 from tests.unit.appliance.fakes import FakeEngine
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from appliance.apis.responses.resume import ResponsesRecord
-from appliance.errors import UpstreamError
+from appliance.core.errors import UpstreamError
 
 pytestmark = pytest.mark.anyio
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from litestar import Request
 
-from appliance.errors import ApiError
+from appliance.core.errors import ApiError
+from appliance.core.sections import ServerSettings
 from appliance.routes.generation import read_json_body
-from appliance.settings import ServerSettings
 
 pytestmark = pytest.mark.anyio
 LIMIT = 2048

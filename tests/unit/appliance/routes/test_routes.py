@@ -9,16 +9,19 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import HTTPRouteHandler
 
 from appliance.app import create_app
-from appliance.engine import EngineState
-from appliance.errors import EngineUnavailable
-from appliance.settings import Settings
+from appliance.core.engine import EngineState
+from appliance.core.errors import EngineUnavailable
+from appliance.core.settings import Settings
 from tests.unit.appliance.fakes import FakeEngine
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-routes-test-key"
-# /livez for liveness probes; the status page's shell and assets, which hold no data.
-OPEN_ALWAYS = {"/livez", "/", "/ui/status.js", "/ui/chart.js", "/ui/status.css"}
+# /livez and /readyz for liveness and readiness probes (a router has no client's key); the
+# status page's shell and assets, which hold no data.
+OPEN_ALWAYS = {"/livez", "/readyz", "/", "/ui/status.js", "/ui/chart.js", "/ui/status.css"}
 OPS = {"/health", "/metrics", "/status.json"}
+# The verdict to anyone (a router probes it without a key); its detail follows OPS's rule.
+VERDICT_OPEN = {"/health"}
 
 
 def every_route(app: Litestar) -> list[tuple[str, str]]:
@@ -55,7 +58,7 @@ async def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(prot
     routes = every_route(app)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/livez") in routes
     for method, path in routes:
-        open_route = path in OPEN_ALWAYS or (path in OPS and not protect)
+        open_route = path in OPEN_ALWAYS | VERDICT_OPEN or (path in OPS and not protect)
         for key in (None, "sk-wrong"):
             response = await call(app, method, path, key)
             if open_route:
@@ -100,6 +103,24 @@ async def test_only_the_anthropic_routes_take_the_key_as_x_api_key() -> None:
 async def test_livez_stays_open_under_protect_ops_routes() -> None:
     response = await call(app_with(protect_ops_routes=True), "GET", "/livez")
     assert response.status_code == 200 and response.json() == {"alive": True}
+
+
+async def test_readyz_stays_open_under_protect_ops_routes() -> None:
+    response = await call(app_with(protect_ops_routes=True), "GET", "/readyz")
+    assert response.status_code == 200 and response.json() == {"ready": True, "state": "ready"}
+
+
+async def test_health_gives_a_keyless_caller_the_verdict_and_a_key_holder_the_detail() -> None:
+    """Under protect_ops_routes a router's keyless probe of /health (vllm-router's start-up
+    check) learns ready or not, and nothing else; the detail still needs a key."""
+    app = app_with(protect_ops_routes=True)
+    for key in (None, "sk-wrong"):
+        verdict = await call(app, "GET", "/health", key)
+        assert verdict.status_code == 200 and verdict.json() == {"ready": True, "state": "ready"}
+    detail = (await call(app, "GET", "/health", KEY)).json()
+    assert detail["state"] == "ready" and detail["pid"] == 4242 and "in_flight" in detail
+    open_detail = (await call(app_with(), "GET", "/health")).json()
+    assert open_detail["pid"] == 4242  # not protected: the detail to anyone, as before
 
 
 async def test_the_right_key_passes_the_guard_on_every_route() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from appliance.metrics import RequestMetrics
-from appliance.settings import StatusSettings
+from appliance.core.sections import StatusSettings
+from appliance.observe.metrics import RequestMetrics
 from appliance.status.recent import Recent
 from tests.unit.appliance.fakes import FakeReading as Reading
 

@@ -10,9 +10,10 @@ import pytest
 from litestar import Litestar
 
 from appliance.app import create_app
-from appliance.engine import EngineState
+from appliance.core.engine import EngineState
+from appliance.core.sections import ResumeSettings
+from appliance.core.settings import Settings
 from appliance.recovery.quarantine import Quarantine
-from appliance.settings import ResumeSettings, Settings
 from tests.unit.appliance.fakes import FakeEngine, FakeReading
 
 pytestmark = pytest.mark.anyio

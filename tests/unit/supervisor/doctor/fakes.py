@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.settings import EngineSettings, GpuSettings, Settings
+from appliance.core.sections import EngineSettings, GpuSettings
+from appliance.core.settings import Settings
 from supervisor.doctor.box import Account, Box
 from supervisor.engine.gpu_budget import GIB, GpuMemory
 

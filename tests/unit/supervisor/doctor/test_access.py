@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import CONFIG_ENV, EngineSettings, Settings
+from appliance.core.sections import CONFIG_ENV, EngineSettings
+from appliance.core.settings import Settings
 from supervisor.doctor.access import allowed, check_access, service_account
 from supervisor.doctor.box import Account
 from supervisor.doctor.report import Level

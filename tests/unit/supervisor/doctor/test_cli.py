@@ -12,7 +12,7 @@ import structlog.testing
 
 import supervisor.doctor as doctor
 import supervisor.serve
-from appliance.settings import Settings
+from appliance.core.settings import Settings
 from supervisor.doctor.report import Finding, Level, blocker, ok, warning
 from supervisor.main import EXIT_CONFIG, main
 

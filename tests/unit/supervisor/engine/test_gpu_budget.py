@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import GpuSettings, Settings, default_model
+from appliance.core.sections import GpuSettings, default_model
+from appliance.core.settings import Settings
 from supervisor.engine.gpu_budget import (
     GIB,
     GpuMemory,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from appliance.settings import EngineSettings
+from appliance.core.sections import EngineSettings
 from supervisor.engine import listen
 from supervisor.engine.listen import (
     ListenError,

@@ -12,16 +12,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from appliance.engine import EngineState, Waiting
-from appliance.settings import Settings
+from appliance.core.engine import EngineState, Waiting
+from appliance.core.settings import Settings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.manager import EngineManager, Forensics
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import StopReport, Worker
 from supervisor.monitors import Monitor
+from supervisor.monitors.activity import Activity
 from supervisor.monitors.gpu import GpuHealthMonitor
 from supervisor.monitors.health import HealthMonitor
-from supervisor.monitors.progress import Activity, ProgressMonitor
+from supervisor.monitors.progress import ProgressMonitor
 
 pytestmark = pytest.mark.anyio
 
@@ -554,3 +555,22 @@ async def test_a_worker_answers_while_it_serves_and_never_once_declared_lost() -
     assert manager.state is EngineState.READY and not await manager.answers(serial)
     manager.request_stop()
     await task
+
+
+async def test_a_drain_holds_through_a_restart_the_new_worker_never_reads_ready() -> None:
+    """A box drained while its worker restarts must not come back into a router's rotation
+    when the new worker boots: it stays draining until it stops."""
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock, health_interval_s=30)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    manager.begin_drain()
+    assert manager.state is EngineState.DRAINING
+    states: list[EngineState] = []
+    manager.listeners.append(lambda old, new, cause: states.append(new))
+    launcher.current.exit(-signal.SIGKILL)
+    await until(lambda: manager.pid == 110 and manager.state is EngineState.DRAINING)
+    assert EngineState.READY not in states
+    manager.request_stop()
+    await task
+    assert manager.state is EngineState.STOPPED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from appliance.settings import Settings
+from appliance.core.settings import Settings
 from supervisor.engine.worker import build_command, build_env
 from supervisor.serve import worker_settings
 

@@ -20,8 +20,8 @@ import pytest
 import uvloop
 
 from appliance.fences.vllm import Metric
+from load.kit.net import free_port
 from supervisor.engine.probe import HttpProber, _settle
-from tests.net import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import structlog
 
-from appliance.settings import EngineSettings
+from appliance.core.sections import EngineSettings
 from supervisor.engine.exits import describe_exit
 from supervisor.engine.worker import (
     ProcessLauncher,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.engine import Waiting
-from appliance.settings import CrashSettings, Settings
+from appliance.core.engine import Waiting
+from appliance.core.sections import CrashSettings
+from appliance.core.settings import Settings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import StopReport

@@ -11,7 +11,7 @@ import pynvml as real_nvml
 import pytest
 from structlog.testing import capture_logs
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
 from supervisor.gpu.readings import GpuReading
 from tests.unit.supervisor.gpu.fake_nvml import (

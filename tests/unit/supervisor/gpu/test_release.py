@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
 from supervisor.gpu.release import ReleaseWait, in_host_pid_namespace
 from tests.unit.supervisor.gpu.fake_nvml import (

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import GpuSettings
-from supervisor.gpu import smoke, smoke_checks
+from appliance.core.sections import GpuSettings
+from supervisor.smoke import check as smoke
+from supervisor.smoke import checks as smoke_checks
 from supervisor.template.process import TemplateProcess
 from tests.unit.supervisor.gpu.fake_nvml import (
     UUID,
@@ -70,7 +71,7 @@ def test_the_xid_drain_must_be_registered_and_return_at_once() -> None:
 
 @pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this box has a GPU")
 def test_on_a_box_without_a_gpu_it_says_no_gpu_with_its_own_exit_status() -> None:
-    done = subprocess.run([sys.executable, "-m", "supervisor.gpu.smoke"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "supervisor.smoke.check"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == smoke_checks.EXIT_NO_GPU == 3
     assert json.loads(done.stdout)["result"].startswith("no GPU")
@@ -89,7 +90,7 @@ class Absent(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Absent())
 sys.argv = ["smoke"]
-runpy.run_module("supervisor.gpu.smoke", run_name="__main__")
+runpy.run_module("supervisor.smoke.check", run_name="__main__")
 """
 
 
@@ -140,7 +141,7 @@ async def test_a_start_the_template_refuses_is_a_failed_check_not_a_traceback() 
 @pytest.mark.skipif(Path("/proc/driver/nvidia/version").exists(), reason="this box has a GPU")
 @pytest.mark.parametrize("python", ["python3", "no-such-python-here"])
 def test_any_python_argument_ends_in_the_json_report(python: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "supervisor.gpu.smoke", "--python", python],
+    done = subprocess.run([sys.executable, "-m", "supervisor.smoke.check", "--python", python],
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == smoke_checks.EXIT_NO_GPU, done.stderr
     assert "Traceback" not in done.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from appliance.settings import GpuSettings
+from appliance.core.sections import GpuSettings
 from supervisor.gpu.nvml import GpuMonitor
 from supervisor.gpu.release import ReleaseWait
 from supervisor.gpu.watch import GpuWatch

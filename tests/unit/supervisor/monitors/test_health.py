@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from appliance.settings import SupervisorSettings
+from appliance.core.sections import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
+from supervisor.monitors.activity import Activity
 from supervisor.monitors.health import HealthMonitor
-from supervisor.monitors.progress import Activity
 from supervisor.monitors.stillness import Stillness
 from tests.unit.supervisor.monitors.clock import Clock
 

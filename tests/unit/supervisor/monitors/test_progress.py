@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from appliance.settings import SupervisorSettings
+from appliance.core.sections import SupervisorSettings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.stats import EngineStats
-from supervisor.monitors.progress import Activity, ProgressMonitor, WorkerDemand
+from supervisor.monitors.activity import Activity
+from supervisor.monitors.progress import ProgressMonitor, WorkerDemand
 from supervisor.monitors.stillness import Stillness
 from tests.unit.supervisor.monitors.clock import Clock
 
@@ -359,7 +360,7 @@ def test_thread_states_are_read_from_proc_for_real_processes() -> None:
     import sys
     import time
 
-    from supervisor.monitors.progress import runnable_threads, thread_states
+    from supervisor.monitors.activity import runnable_threads, thread_states
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -394,7 +395,7 @@ def test_cpu_seconds_follow_the_process_and_end_with_it() -> None:
 
     import psutil
 
-    from supervisor.monitors.progress import cpu_seconds
+    from supervisor.monitors.activity import cpu_seconds
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -420,9 +421,9 @@ async def test_engine_activity_reads_the_child_processes_or_the_server_alone() -
     import asyncio
     import sys
 
-    from appliance.settings import EngineSettings
+    from appliance.core.sections import EngineSettings
     from supervisor.engine.worker import ProcessLauncher
-    from supervisor.monitors.progress import EngineActivity
+    from supervisor.monitors.activity import EngineActivity
 
     spin = "while True: pass"
     sleeping_server = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "

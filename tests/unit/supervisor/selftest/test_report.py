@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.settings import Settings
-from supervisor.canary import CanaryKey, CanaryStore
+from appliance.core.settings import Settings
 from supervisor.doctor.report import blocker, ok, warning
 from supervisor.selftest import command
+from supervisor.selftest.canary import CanaryKey, CanaryStore
 from supervisor.selftest.report import Check, CheckFailed, Report, timed
 from supervisor.selftest.sequence import canary_check, doctor_check
 from supervisor.selftest.target import Target

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.settings import default_engine_python
+from appliance.core.sections import default_engine_python
 from supervisor.template.fork_probe import trial_fork
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[4] / "supervisor" / "template"

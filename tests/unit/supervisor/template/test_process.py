@@ -17,7 +17,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from appliance.settings import EngineSettings
+from appliance.core.sections import EngineSettings
 from supervisor.engine.launcher import TemplateLauncher, build_launcher
 from supervisor.engine.worker import ProcessLauncher, SessionWorker, WorkerProcess, session_members
 from supervisor.template.process import EXIT_REPORT_GRACE_S, EXIT_UNKNOWN, ForkedWorker
@@ -275,3 +275,18 @@ async def test_a_changed_worker_environment_replaces_the_template(
     assert isinstance(worker, ForkedWorker) and await worker.wait() == 0
     assert [e["reason"] for e in logs if e["event"] == "template.retired"] == [
         "worker environment changed"]
+
+
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {"use_uvloop": True}),
+                                                        id="uvloop")])
+async def test_on_the_serving_loop_the_template_ends_at_end_of_file_not_by_sigkill(
+        launchers: Callable[..., TemplateLauncher]) -> None:
+    """uvloop (the loop `serve` runs on) keeps a descriptor with a read pending on it open
+    after close(): the template must still see the end of its channel and exit by itself."""
+    launcher = launchers(engine())
+    worker = await launcher.start()
+    template = launcher._template
+    assert template is not None
+    await stopped(worker)
+    await launcher.aclose()
+    assert template.proc.returncode == 0, "killed after the grace: no end of file reached it"

@@ -1,0 +1,1 @@
+"""What both processes share: settings, errors, the engine contract, the worker client."""

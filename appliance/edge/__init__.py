@@ -1,0 +1,1 @@
+"""Before any route: connection limits, the client socket, the Host check."""

@@ -1,0 +1,1 @@
+"""Hostile clients and costly requests against the edge, with an honest client alongside."""

@@ -1,0 +1,1 @@
+"""The locust suite (OpenAI-SDK users) and its headless run with a verdict."""

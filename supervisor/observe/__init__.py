@@ -1,0 +1,1 @@
+"""Supervisor facts for Prometheus, and the logging setup."""

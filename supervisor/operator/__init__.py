@@ -1,0 +1,1 @@
+"""The operator's interfaces: control socket, reload, systemd notifications, TLS, private files."""

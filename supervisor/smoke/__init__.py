@@ -1,0 +1,1 @@
+"""The GPU smoke check (python -m supervisor.smoke.check); importable without pydantic."""
