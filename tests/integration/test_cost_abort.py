@@ -17,6 +17,8 @@ from load.hostile.cost_abort import COSTLY, victim_beside_costly
 from load.kit.appliance import Appliance
 from tests.metrics_text import value
 
+pytestmark = pytest.mark.long  # timed side-by-side runs, about 100 s: `pytest -m long`
+
 BAR = 3.0
 
 

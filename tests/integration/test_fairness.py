@@ -19,6 +19,8 @@ import pytest
 from load.kit.appliance import Appliance, as_client, chat_as, running_with_clients
 from supervisor.engine.stats import EngineStats, parse_engine_stats
 
+pytestmark = pytest.mark.long  # an appliance of its own with four clients, about 50 s: `pytest -m long`
+
 FLOOD_LIMIT = 2
 CLIENTS: list[dict[str, object]] = [
     {"name": "flood", "key": "sk-flood", "max_inflight": FLOOD_LIMIT, "priority": 5},

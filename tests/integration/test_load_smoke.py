@@ -1,4 +1,4 @@
-"""CI smoke: the locust suite runs ~30 s against the real appliance and real CPU worker, chaos off."""
+"""Locust smoke: the suite runs ~30 s against the real appliance and real CPU worker, chaos off."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from load.kit.appliance import Appliance
+
+pytestmark = pytest.mark.long  # 30 s of locust: `pytest -m long`
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE_S = 30

@@ -139,6 +139,7 @@ def answered_through(appliance: Appliance, fault: Callable[[], None]) -> list[ht
     return [answers[index] for index in range(len(INNOCENT))]
 
 
+@pytest.mark.long  # eight long answers through a kill and a freeze, about a minute
 def test_requests_answered_through_a_kill_are_answered_through_an_unrelated_freeze(
         appliance: Appliance) -> None:
     crashes = appliance.log_path.parent / "crashes"  # running_appliance's crashes.dir

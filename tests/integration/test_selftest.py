@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from load.kit.appliance import TREE_MARKER, Appliance, marked, require_engine, running_appliance
 from load.kit.isolation import clean_env
+
+pytestmark = pytest.mark.long  # two whole self-test runs, about a minute: `pytest -m long`
 
 SELFTEST_BUDGET_S = 180  # the bar for a whole run on the CPU default
 CANARY_WAIT_S = 120
