@@ -34,8 +34,10 @@ from load.kit import results
 # weigh every way of splitting what came so far, for the whole vocabulary.
 COSTLY_GRAMMAR = "root ::= s\ns ::= s s s | s s | [a-z ]"
 # No end of its own: sampled text can meet the grammar's end before the engine grows slow.
+# A fixed seed: the same sampled text every run. Not all text is costly here (greedy text is
+# not, and some samples were not), so an unseeded run could pass or fail by chance.
 COSTLY: dict[str, object] = {"messages": [{"role": "user", "content": "Write letters."}],
-                             "max_tokens": 400, "stream": True, "ignore_eos": True,
+                             "max_tokens": 400, "stream": True, "ignore_eos": True, "seed": 1,
                              "structured_outputs": {"grammar": COSTLY_GRAMMAR}}
 WARM_STREAM: dict[str, object] = VICTIM | {"stream": True}
 _RAMP_TOKENS = 5
