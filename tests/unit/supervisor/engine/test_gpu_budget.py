@@ -18,7 +18,8 @@ from supervisor.engine.gpu_budget import (
     read_model_shape,
 )
 from supervisor.engine.worker import build_command
-from supervisor.serve import size_gpu_reservation, worker_settings
+from supervisor.serve import size_gpu_reservation
+from supervisor.stack import worker_settings
 
 H200 = GpuMemory(total_bytes=int(139.8 * GIB), free_bytes=int(139.2 * GIB))
 

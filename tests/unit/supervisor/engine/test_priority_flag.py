@@ -6,7 +6,7 @@ import os
 
 from appliance.core.settings import Settings
 from supervisor.engine.worker import build_command, build_env
-from supervisor.serve import worker_settings
+from supervisor.stack import worker_settings
 
 FLAG = ["--scheduling-policy", "priority"]
 
