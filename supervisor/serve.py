@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from appliance.app import ApiState, api_server, create_app
 from appliance.core.catalog import Catalog
@@ -130,12 +130,12 @@ async def serve(settings: Settings) -> int:
     registry.register(SupervisorCollector([s.observed() for s in stacks], gpu))
     # The load signals a router reads, in vLLM's names (the fleet's balancing); the admission
     # queue is the whole box's, counted once, with the default model.
-    registry.register(LoadSignals([(s.manager, s.progress, lambda w=s.waiting: len(w))
-                                   for s in stacks], lambda: api.admission.queued))
+    registry.register(LoadSignals([(s.manager, s.progress, s.owed) for s in stacks],
+                                  lambda: api.admission.queued))
     durations = restart_durations(registry)
     for stack in stacks:
-        stack.manager.phase_listeners.append(
-            lambda phase, s, name=stack.name: durations.labels(phase=phase, model=name).observe(s))
+        stack.manager.phase_listeners.append(functools.partial(_observe_phase, durations,
+                                                               stack.name))
 
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
     manager_tasks: list[asyncio.Task[None]] = []
@@ -285,6 +285,10 @@ async def _keep_alive(notifier: Notifier) -> None:
     while interval is not None:
         notifier.watchdog()
         await asyncio.sleep(interval)
+
+
+def _observe_phase(durations: Histogram, model: str, phase: str, seconds: float) -> None:
+    durations.labels(phase=phase, model=model).observe(seconds)
 
 
 def _report_state(notifier: Notifier, stack: ModelStack, models: int, _old: EngineState,

@@ -16,9 +16,10 @@ from appliance.core.engine import Waiting
 from appliance.core.sections import EngineSettings
 from appliance.core.settings import Settings
 from supervisor.engine.gpu_budget import Reservation
-from supervisor.engine.launcher import ProcessLauncher, TemplateLauncher, build_launcher
+from supervisor.engine.launcher import TemplateLauncher, build_launcher
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
+from supervisor.engine.worker import ProcessLauncher
 from supervisor.forensics.recorder import Recorder
 from supervisor.gpu.device import device_env
 from supervisor.gpu.watch import GpuWatch
@@ -49,6 +50,10 @@ class ModelStack:
     @property
     def name(self) -> str:
         return self.entry.name
+
+    def owed(self) -> int:
+        """Requests the API sent this model's worker and holds unanswered."""
+        return len(self.waiting)
 
     def observed(self) -> ObservedModel:
         return ObservedModel(self.name, self.manager, self.progress, self.canary)

@@ -66,19 +66,19 @@ class SupervisorCollector(Collector):
             GaugeMetricFamily("appliance_canary_ok", "1 while the last worker judged gave the "
                               "recorded greedy answers, 0 on a mismatch.", labels=["model"]))
         for model in self._models:
-            manager, name = model.manager, [model.name]
+            manager, labels = model.manager, [model.name]
             for each in EngineState:
                 state.add_metric([model.name, each.value], 1.0 if manager.state is each else 0.0)
-            _count(restarts, name, manager.restart_counts)
-            _count(transitions, name, manager.transition_counts)
+            _count(restarts, labels, manager.restart_counts)
+            _count(transitions, labels, manager.transition_counts)
             stats = model.engine.stats if manager.state is EngineState.READY else None
             if stats is not None:  # no worker: no stale readings
-                running.add_metric(name, stats.running)
-                waiting.add_metric(name, stats.waiting)
-                kv.add_metric(name, stats.kv_cache_usage)
+                running.add_metric(labels, stats.running)
+                waiting.add_metric(labels, stats.waiting)
+                kv.add_metric(labels, stats.kv_cache_usage)
             verdict = model.canary.result if model.canary is not None else None
             if verdict is not None and verdict.ok is not None:  # absent until a worker is judged
-                canary.add_metric(name, 1.0 if verdict.ok else 0.0)
+                canary.add_metric(labels, 1.0 if verdict.ok else 0.0)
         yield from (family for family in (state, restarts, transitions, running, waiting, kv,
                                           canary) if family.samples or family is state)
         for name, value in (self._gpu.gauges() if self._gpu is not None else {}).items():
