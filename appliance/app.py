@@ -107,7 +107,7 @@ def create_app(
     """Build the API around an engine view; nothing here reaches into the supervisor.
 
     `engine` is the default model's; `models` has each model of the catalog's by its name (the
-    default's included; None: the one model is `engine`). `engine_reading` gives the default
+    default's included; without a catalog the one model is `engine`). `engine_reading` gives the default
     worker's own counters as the supervisor last read them (the status page's tokens/s and
     engine queue); without it those read as unknown. `quarantine` is told of engine deaths by
     the supervisor's crash forensics; without it none is counted."""
@@ -121,7 +121,8 @@ def create_app(
     quarantine = quarantine or Quarantine(settings.resume)
     quarantine.listeners.append(metrics.quarantined)
     catalog = Catalog.from_settings(settings)
-    engines = dict(models) if models is not None else {catalog.default.name: engine}
+    engines = dict(models) if models is not None and settings.models else {
+        catalog.default.name: engine}
 
     def served(entry: CatalogEntry) -> ServedModel:
         """A model's own relay: its worker's address, its gate (its window, its modalities)."""
