@@ -31,6 +31,7 @@ from supervisor.engine.gpu_budget import (
 )
 from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
+from supervisor.engine.stack import ModelStack, build_stack
 from supervisor.gpu.watch import build_gpu_watch
 from supervisor.observe.collector import SupervisorCollector, restart_durations
 from supervisor.observe.signals import LoadSignals
@@ -39,7 +40,6 @@ from supervisor.operator.private import private_dir
 from supervisor.operator.reload import Reloader
 from supervisor.operator.sdnotify import Notifier
 from supervisor.operator.tls import ServerTls
-from supervisor.stack import ModelStack, build_stack
 
 log = structlog.get_logger("supervisor.serve")
 

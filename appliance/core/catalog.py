@@ -14,14 +14,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.core.sections import EngineSettings
 
-if TYPE_CHECKING:
-    from appliance.core.settings import Settings
+Tree = TypeVar("Tree", bound=BaseModel)  # appliance.core.settings.Settings, which imports this
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # it names a directory too
 
@@ -97,7 +96,7 @@ class CatalogEntry:
     def served_names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
-    def settings(self, settings: Settings) -> Settings:
+    def settings(self, settings: Tree) -> Tree:
         """The whole settings tree as this model's worker and policy read it."""
         return settings.model_copy(update={"engine": self.engine})
 
@@ -112,8 +111,9 @@ class Catalog:
         self._by_name = {served: entry for entry in entries for served in entry.served_names}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Catalog:
-        engine = settings.engine
+    def from_settings(cls, settings: Any) -> Catalog:
+        """From an appliance.core.settings.Settings: its [models.<name>] tables, else [engine]."""
+        engine: EngineSettings = settings.engine
         if not settings.models:
             return cls([CatalogEntry(engine.model_name, tuple(engine.served_model_aliases),
                                      default=True, pinned=True, keep_alive_s=None,

@@ -31,7 +31,7 @@ from supervisor.monitors.stillness import Stillness, server_activity
 from supervisor.observe.collector import ObservedModel
 from supervisor.selftest.canary import CanaryWatch
 
-log = structlog.get_logger("supervisor.stack")
+log = structlog.get_logger("supervisor.engine.stack")
 
 
 @dataclass
