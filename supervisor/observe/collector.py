@@ -79,8 +79,9 @@ class SupervisorCollector(Collector):
             verdict = model.canary.result if model.canary is not None else None
             if verdict is not None and verdict.ok is not None:  # absent until a worker is judged
                 canary.add_metric(labels, 1.0 if verdict.ok else 0.0)
-        yield from (family for family in (state, restarts, transitions, running, waiting, kv,
-                                          canary) if family.samples or family is state)
+        yield from (state, restarts, transitions)  # always: an alert reads them from the start
+        # The worker's readings only while some worker serves; the verdict once one is judged.
+        yield from (family for family in (running, waiting, kv, canary) if family.samples)
         for name, value in (self._gpu.gauges() if self._gpu is not None else {}).items():
             if name in _COUNTERS:
                 yield CounterMetricFamily(f"appliance_{name.removesuffix('_total')}",
