@@ -30,7 +30,7 @@ from appliance.apis.responses import routes as responses
 from appliance.apis.tokenizer import routes as tokenizer
 from appliance.core.catalog import Catalog, CatalogEntry
 from appliance.core.context import REQUEST_ID, headers_of, request_context
-from appliance.core.engine import EngineView
+from appliance.core.engine import EngineView, Residency
 from appliance.core.errors import (
     ApiError,
     BadRequest,
@@ -103,6 +103,7 @@ def create_app(
     engine_reading: EngineReading = lambda: None,
     quarantine: Quarantine | None = None,
     models: Mapping[str, EngineView] | None = None,
+    residency: Residency | None = None,
 ) -> Litestar:
     """Build the API around an engine view; nothing here reaches into the supervisor.
 
@@ -110,7 +111,8 @@ def create_app(
     default's included; without a catalog the one model is `engine`). `engine_reading` gives the default
     worker's own counters as the supervisor last read them (the status page's tokens/s and
     engine queue); without it those read as unknown. `quarantine` is told of engine deaths by
-    the supervisor's crash forensics; without it none is counted."""
+    the supervisor's crash forensics; without it none is counted. `residency` loads and unloads
+    models on demand (None: every model stays loaded)."""
     # Client names only where /metrics asks for a key.
     metrics = RequestMetrics(registry or CollectorRegistry(),
                              client_names=settings.server.protect_ops_routes)
@@ -134,7 +136,7 @@ def create_app(
                                             CostWatch(settings.constraints, metrics.too_costly)))
 
     served_models = ServedModels([served(entry) for entry in catalog],
-                                 routed=bool(settings.models))
+                                 routed=bool(settings.models), residency=residency)
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading,
                             quarantine, served_models)

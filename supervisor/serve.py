@@ -31,6 +31,7 @@ from supervisor.engine.gpu_budget import (
 )
 from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
+from supervisor.engine.residency import Residency
 from supervisor.engine.stack import ModelStack, build_stack
 from supervisor.gpu.watch import build_gpu_watch
 from supervisor.observe.collector import SupervisorCollector, restart_durations
@@ -117,7 +118,15 @@ async def serve(settings: Settings) -> int:
         return EXIT_FAILURE
     gpu = await build_gpu_watch(settings.gpu)
     api = ApiState.from_settings(settings)
-    stacks = [build_stack(settings, entry, api, gpu, size_gpu_reservation) for entry in catalog]
+    # Residency where models may be unloaded (a limit, or an idle timeout): the models beyond
+    # the limit start unloaded, and a request loads them.
+    swapping = settings.residency.max_loaded is not None or any(
+        entry.keep_alive_s is not None for entry in catalog)
+    first = Residency.initially_loaded(catalog.entries, settings.residency)
+    stacks = [build_stack(settings, entry, api, gpu, size_gpu_reservation,
+                          loaded=entry.name in first) for entry in catalog]
+    residency = Residency([(s.entry, s.manager) for s in stacks], settings.residency) \
+        if swapping else None
     default = stacks[0]
     for stack in stacks:
         stack.manager.listeners.append(functools.partial(_report_state, notifier, stack,
@@ -132,6 +141,8 @@ async def serve(settings: Settings) -> int:
     # queue is the whole box's, counted once, with the default model.
     registry.register(LoadSignals([(s.manager, s.progress, s.owed) for s in stacks],
                                   lambda: api.admission.queued))
+    if residency is not None:
+        registry.register(residency.collector())
     durations = restart_durations(registry)
     for stack in stacks:
         stack.manager.phase_listeners.append(functools.partial(_observe_phase, durations,
@@ -144,6 +155,7 @@ async def serve(settings: Settings) -> int:
     loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     app = create_app(settings, default.manager, registry=registry, admission=api.admission,
                      clients=api.clients, models={s.name: s.manager for s in stacks},
+                     residency=residency,
                      alive=lambda: bool(manager_tasks) and not any(t.done() for t in manager_tasks),
                      engine_reading=lambda: default.progress.stats
                      if default.manager.state is EngineState.READY else None,
@@ -171,6 +183,7 @@ async def serve(settings: Settings) -> int:
     # 4. The workers, and the watchdog ping that proves this loop still turns.
     managers = [stack.manager for stack in stacks]
     manager_tasks += [asyncio.create_task(manager.run()) for manager in managers]
+    idle = asyncio.create_task(residency.run()) if residency is not None else None
     watchdog = asyncio.create_task(_watchdog(notifier, managers, *manager_tasks, server_task))
 
     # 5. Run until a signal, or until the API or a manager ends on its own.
@@ -183,6 +196,10 @@ async def serve(settings: Settings) -> int:
     notifier.extend_timeout(sup.drain_timeout_s + sup.stop_grace_s + 30)
 
     # 6. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
+    if idle is not None:  # nothing is loaded or unloaded while the box stops
+        idle.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await idle
     for manager in managers:
         manager.begin_drain()
     await _drain(api, sup.drain_timeout_s, signals.second)

@@ -47,10 +47,27 @@ class ModelSettings(BaseModel):
     trust_remote_code: bool | None = None
     extra_args: list[str] = Field(default_factory=list)  # after [engine]'s
     env: dict[str, str] = Field(default_factory=dict)  # over [engine]'s
-    # Unload after this long idle; read by residency, which is not built yet: every model in
-    # the catalog stays loaded for now.
+    # Unloaded (its worker stopped, its memory given back) after this long without a request;
+    # the next request for it loads it again. None: never for being idle.
     keep_alive_s: float | None = Field(None, gt=0)
-    pinned: bool = False  # /health is 503 while a pinned model is not ready
+    # Always loaded, never unloaded, and /health is 503 while it is not ready. None: the
+    # default model is pinned, the others are not.
+    pinned: bool | None = None
+
+
+class ResidencySettings(BaseModel):
+    """How many models are loaded at once, and how a request for one that is not waits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Models loaded at once; a request for another waits while the least recently used idle
+    # model is unloaded. None: no limit (each model loaded at start; keep_alive_s still unloads).
+    max_loaded: int | None = Field(None, ge=1)
+    queue_max: int = Field(16, ge=0)  # requests waiting per model for its load; then 429
+    load_wait_s: float = Field(120.0, gt=0)  # a request waits this long for its load; then 503
+    # A model loaded this recently is not unloaded for another (no thrash between two).
+    min_resident_s: float = Field(10.0, ge=0)
+    idle_check_s: float = Field(1.0, gt=0)  # how often keep_alive_s is checked
 
 
 # The per-model fields that replace [engine]'s field of the same name where they are set.
@@ -59,9 +76,11 @@ _OVERRIDES = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes",
               "tool_call_parser", "reasoning_parser", "chat_template", "trust_remote_code")
 
 
-def check_catalog(models: dict[str, ModelSettings], engine: EngineSettings) -> None:
+def check_catalog(models: dict[str, ModelSettings], engine: EngineSettings,
+                  residency: ResidencySettings | None = None) -> None:
     """Raise ValueError, naming the clash, where the catalog is not one name per model: two
-    models claim a name, or more than one is the default."""
+    models claim a name, or more than one is the default; or more models are pinned than may
+    be loaded at once."""
     claimed: dict[str, str] = {}
     for name, model in models.items():
         if not re.match(MODEL_NAME_PATTERN, name):
@@ -77,6 +96,14 @@ def check_catalog(models: dict[str, ModelSettings], engine: EngineSettings) -> N
     defaults = [name for name, model in models.items() if model.default]
     if len(defaults) > 1:
         raise ValueError(f"only one model can be the default: {', '.join(defaults)} say so")
+    most = residency.max_loaded if residency is not None else None
+    if most is not None and models:
+        first = next((name for name, model in models.items() if model.default), next(iter(models)))
+        pinned = [name for name, model in models.items()
+                  if model.pinned or (model.pinned is None and name == first)]
+        if len(pinned) > most:
+            raise ValueError(f"residency.max_loaded is {most}, but {len(pinned)} models are "
+                             f"pinned ({', '.join(pinned)}): pinned models are always loaded")
     if not models and engine.model_name in engine.served_model_aliases:
         raise ValueError("engine.served_model_aliases repeats the model's own name")
 
@@ -152,6 +179,7 @@ def _entry(engine: EngineSettings, name: str, model: ModelSettings, index: int) 
     if index > 0:  # the default keeps [engine]'s socket and port: what an operator set up
         update["socket_dir"] = engine.resolved_socket_dir() / f"model-{name}"
         update["port"] = engine.port + index
+    pinned = model.pinned if model.pinned is not None else index == 0
     return CatalogEntry(name, tuple(model.aliases), default=index == 0,
-                        pinned=index == 0 or model.pinned, keep_alive_s=model.keep_alive_s,
+                        pinned=pinned, keep_alive_s=model.keep_alive_s,
                         engine=engine.model_copy(update=update))

@@ -15,7 +15,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from appliance.core.catalog import ModelSettings, check_catalog
+from appliance.core.catalog import ModelSettings, ResidencySettings, check_catalog
 from appliance.core.sections import (
     CONFIG_ENV,
     ENV_PREFIX,
@@ -61,6 +61,7 @@ class Settings(BaseSettings):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     # The catalog ([models.<name>] tables, appliance.core.catalog); empty: [engine]'s one model.
     models: dict[str, ModelSettings] = Field(default_factory=dict)
+    residency: ResidencySettings = Field(default_factory=ResidencySettings)
 
     @classmethod
     def settings_customise_sources(
@@ -92,7 +93,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_name_per_model(self) -> Settings:
-        check_catalog(self.models, self.engine)
+        check_catalog(self.models, self.engine, self.residency)
         return self
 
 

@@ -39,9 +39,6 @@ class RouteDeps:
     policy: PolicySettings
     models: ServedModels
 
-    def relay_named(self, raw: bytes) -> RelayDeps:
-        """The relay of the model `raw` names (appliance.routes.models)."""
-        return self.models.pick(raw)
 
 
 def generation(api: GenerationApi, deps: RouteDeps,
@@ -52,11 +49,12 @@ def generation(api: GenerationApi, deps: RouteDeps,
 
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
         raw = await read_json_body(request, server)
-        relay = deps.relay_named(raw)
+        model = deps.models.pick(raw)
+        relay = model.relay
         vetted = await relay.gate.vet(raw, api, client_of(request))
         if prepare is not None:
             prepare(vetted, relay)
-        return relay_for(vetted, request, relay)
+        return await deps.models.leased(model, relay_for(vetted, request, relay))
 
     return post(api.path, name=api.name, opt={"shape": api.shape}, status_code=200)(handle)
 

@@ -21,7 +21,7 @@ from appliance.admission.slots import Admission
 from appliance.core.engine import EngineState
 from appliance.observe.metrics import RequestMetrics
 from appliance.routes.handlers import get
-from appliance.routes.models import ServedModel, ServedModels
+from appliance.routes.models import ServedModels
 
 QUIET = {"quiet": True}  # polled: an access line each would drown the log
 
@@ -55,20 +55,13 @@ def health_route(models: ServedModels, admission: Admission,
         if detailed(request.scope):
             detail = models.default.engine.snapshot() | {
                 "in_flight": admission.in_flight, "queued": admission.queued,
-                "models": {model.name: _model_detail(model) for model in models}}
+                "models": {model.name: models.detail(model) for model in models}}
         else:
             detail = {"ready": blocking is None, "state": engine.state.value}
         return Response(content=detail, status_code=200 if blocking is None else 503,
                         headers=headers)
 
     return health
-
-
-def _model_detail(model: ServedModel) -> dict[str, Any]:
-    entry = model.entry
-    return {"state": model.engine.state.value, "pid": model.engine.pid, "ready": model.ready,
-            "default": entry.default, "pinned": entry.pinned, "aliases": list(entry.aliases),
-            "restarts": model.engine.snapshot().get("restarts")}
 
 
 def open_routes(alive: Callable[[], bool], models: ServedModels) -> list[HTTPRouteHandler]:

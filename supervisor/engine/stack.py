@@ -65,8 +65,10 @@ class ModelStack:
 
 
 def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: GpuWatch | None,
-                reservation: Callable[[Settings], Reservation | None]) -> ModelStack:
-    """`settings` is the whole tree; the stack reads it with the model's own engine settings."""
+                reservation: Callable[[Settings], Reservation | None], *,
+                loaded: bool = True) -> ModelStack:
+    """`settings` is the whole tree; the stack reads it with the model's own engine settings.
+    `loaded`: start a worker at once (else when residency loads the model)."""
     own = entry.settings(settings)
     sup, engine = own.supervisor, own.engine
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
@@ -93,7 +95,7 @@ def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: Gpu
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
                          else {"status": "unavailable"}, deaths=api.quarantine.died)
     manager = EngineManager(own, launcher, prober, monitors, gpu=gpu, waiting=waiting,
-                            forensics=forensics)
+                            forensics=forensics, loaded=loaded)
     # Each worker, once ready, answers the correctness canary in the background.
     canary = CanaryWatch(engine, own.canary, prober.ask, lambda: manager.pid)
     manager.listeners.append(canary.on_state)

@@ -54,6 +54,7 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     config = _catalog(tmp_path)
     with running_appliance(tmp_path, {"CHAT_APPLIANCE_CONFIG": str(config)},
                            supervisor__crash_loop_restarts="100") as appliance:
+        appliance.wait_ready()  # the API listens, the default model serves
         wait_models_ready(appliance)
         yield appliance
 

@@ -36,7 +36,8 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
     @post("/invocations", name="invocations", status_code=200)
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
         raw = await read_json_body(request, server)
-        relay = deps.relay_named(raw)
+        model = deps.models.pick(raw)
+        relay = model.relay
         body = policy.parse_json(raw)
         if body.get("messages") is None and body.get("prompt") is None \
                 and body.get("prompt_embeds") is None:
@@ -44,7 +45,8 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
                              "completion request (with 'prompt').", param="messages",
                              code="unknown_request_shape")
         api = CHAT if body.get("messages") is not None else COMPLETION
-        return relay_for(await relay.gate.vet(raw, api, client_of(request)), request, relay)
+        vetted = await relay.gate.vet(raw, api, client_of(request))
+        return await deps.models.leased(model, relay_for(vetted, request, relay))
 
     return handle
 

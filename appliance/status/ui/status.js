@@ -66,6 +66,7 @@
     failed: "the engine is not being restarted (a crash loop, or a GPU a restart cannot fix); see the last exits",
     draining: "the appliance is shutting down: requests in flight finish, new ones get 503",
     stopped: "the engine is stopped",
+    unloaded: "the model is not loaded (residency); a request for it loads it",
   };
 
   function setBanner(state, lastExit) {

@@ -4,8 +4,9 @@ as vLLM does), with each model's own window, state and error shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from appliance.app import create_app
 from appliance.core.catalog import Catalog
 from appliance.core.engine import EngineState
+from appliance.core.errors import TooManyRequests
 from appliance.core.settings import ConfigError, Settings, load_settings
 from load.kit.net import free_port
 from load.kit.synthetic_worker import SyntheticWorker
@@ -125,8 +127,9 @@ def test_a_bad_catalog_stops_start_up_naming_what_is_wrong(
 
 
 @contextlib.asynccontextmanager
-async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: bool = False,
-                     catalog: bool = True) -> AsyncIterator[tuple[
+async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: bool | None = None,
+                     catalog: bool = True, residency: Any = None,
+                     default_pinned: bool | None = None) -> AsyncIterator[tuple[
                          httpx.AsyncClient, dict[str, SyntheticWorker], dict[str, FakeEngine]]]:
     """The app in front of two synthetic workers: gemma (default, window 1024) and smol
     (window 2048)."""
@@ -141,10 +144,14 @@ async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: boo
         engines["smol"].state = smol_state
         models: dict[str, Any] = {
             "gemma": {"path": "/models/gemma", "aliases": ["g"], "default": True},
-            "smol": {"path": "/models/smol", "aliases": ["SmolLM2-135M-Instruct"],
-                     "pinned": pinned}}
+            "smol": {"path": "/models/smol", "aliases": ["SmolLM2-135M-Instruct"]}}
+        if pinned is not None:
+            models["smol"]["pinned"] = pinned
+        if default_pinned is not None:
+            models["gemma"]["pinned"] = default_pinned
         settings = Settings(models=models if catalog else {})
-        app = create_app(settings, engines["gemma"], models=engines if catalog else None)
+        app = create_app(settings, engines["gemma"], models=engines if catalog else None,
+                         residency=residency)
         port = free_port()
         await stack.enter_async_context(serving(app, port, settings))
         client = await stack.enter_async_context(
@@ -278,3 +285,57 @@ async def test_without_a_catalog_the_worker_judges_the_name_as_before() -> None:
         answer = await client.post("/v1/chat/completions", json=chat("any-name"))
         assert answer.status_code == 200  # passed on: the one worker answers to its names
         assert len(workers["gemma"].received) == 1
+
+
+class FakeResidency:
+    """Holds each request until its model is "loaded" (the test sets the event); refuses with
+    the error it is given."""
+
+    def __init__(self) -> None:
+        self.loaded = asyncio.Event()
+        self.leases: dict[str, int] = {}
+        self.refusal: Exception | None = None
+
+    async def acquire(self, model: str) -> Callable[[], None]:
+        if self.refusal is not None:
+            raise self.refusal
+        await self.loaded.wait()
+        self.leases[model] = self.leases.get(model, 0) + 1
+
+        def release() -> None:
+            self.leases[model] -= 1
+
+        return release
+
+    def snapshot(self, model: str) -> dict[str, object]:
+        return {"in_use": self.leases.get(model, 0)}
+
+
+async def test_with_residency_a_request_waits_for_its_models_load_and_holds_it_to_its_end(
+) -> None:
+    residency = FakeResidency()
+    async with two_models(EngineState.UNLOADED, residency=residency) as (client, workers, eng):
+        asked = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat("smol")))
+        await asyncio.sleep(0.2)
+        assert not asked.done() and not workers["smol"].received  # waiting, not refused
+        eng["smol"].state = EngineState.READY
+        residency.loaded.set()
+        answer = await asyncio.wait_for(asked, 5)
+        assert answer.status_code == 200 and len(workers["smol"].received) == 1
+        assert residency.leases == {"smol": 0}  # released once answered
+        health = (await client.get("/health")).json()
+        assert health["models"]["smol"]["residency"] == {"in_use": 0}
+        residency.refusal = TooManyRequests("queue full", code="model_queue_full",
+                                            retry_after_s=4)
+        full = await client.post("/v1/messages", json={
+            "model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]})
+        assert full.status_code == 429 and full.headers["retry-after"] == "4"
+        assert full.json()["error"]["type"] == "rate_limit_error"  # Anthropic's shape
+
+
+@pytest.mark.parametrize(("default_pinned", "status"), [(None, 503), (True, 503), (False, 200)])
+async def test_the_default_holds_readiness_unless_it_says_pinned_false(
+        default_pinned: bool | None, status: int) -> None:
+    async with two_models(default_pinned=default_pinned) as (client, _, engines):
+        engines["gemma"].state = EngineState.UNLOADED  # residency gave its memory back
+        assert (await client.get("/health")).status_code == status
