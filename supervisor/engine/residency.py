@@ -2,12 +2,13 @@
 
 At most `residency.max_loaded` models are loaded at once. A request for a model that is not
 loaded takes a place in that model's bounded queue and waits while the least recently used
-idle model is unloaded (only a model with no request in flight and none waiting is chosen, and
-none loaded less than `min_resident_s` ago: no stream is cut, no thrash) and the requested one
-starts from its worker template. Requests for one model wait together and are served together
-by its one load. A full queue is a 429, a load not done within `load_wait_s` a 503, both with
-Retry-After: never a hang. A model idle past its `keep_alive_s` is unloaded. Pinned models are
-never unloaded.
+model is drained and unloaded, and the requested one starts from its worker template. An idle
+model (nothing in flight, nothing waiting) goes before a busy one; a busy one is drained: its
+new requests wait for its next load while those in flight finish (no stream is cut). None
+loaded less than `min_resident_s` ago is chosen (no thrash), so requests for one model wait
+together and are served together by its one load. A full queue is a 429, a load not done
+within `load_wait_s` a 503, both with Retry-After: never a hang. A model idle past its
+`keep_alive_s` is unloaded. Pinned models are never unloaded.
 
 The API holds a lease on its model for each request's whole life (appliance.core.engine's
 Residency); a lease is what makes a model busy here.
@@ -178,19 +179,27 @@ class Residency:
             and slot.leases == 0 and slot.queued == 0
 
     def _victim(self) -> _Slot | None:
-        """The least recently used idle model loaded at least min_resident_s ago."""
+        """The model to unload: among those loaded at least min_resident_s ago, not pinned and
+        with no request waiting for their load to finish, an idle one before a busy one, the
+        least recently used first."""
         now = self._clock()
-        idle = [slot for slot in self._slots.values() if self._idle(slot)
-                and now - slot.loaded_at >= self._settings.min_resident_s]
-        return min(idle, key=lambda slot: slot.last_used, default=None)
+        loaded = [slot for slot in self._slots.values()
+                  if slot.manager.loaded and not slot.entry.pinned and not slot.leaving
+                  and slot.queued == 0 and now - slot.loaded_at >= self._settings.min_resident_s]
+        return min(loaded, key=lambda slot: (not self._idle(slot), slot.last_used), default=None)
 
     async def _unload(self, slot: _Slot, cause: str) -> None:
-        """Stop `slot`'s worker (idle: nothing in flight on it) and wait until it is down."""
+        """Drain `slot`'s model (its new requests wait for its next load; those in flight
+        finish), then stop its worker and wait until it is down."""
         slot.leaving = True
-        log.info("model.unloading", model=slot.entry.name, cause=cause,
+        log.info("model.unloading", model=slot.entry.name, cause=cause, in_flight=slot.leases,
                  idle_s=round(self._clock() - slot.last_used, 1))
-        slot.manager.unload()
         try:
+            while slot.leases > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self._released.wait()
+            slot.manager.unload()
             while slot.manager.state is not EngineState.UNLOADED:
                 await slot.manager.changed(1.0)
         finally:

@@ -115,17 +115,24 @@ async def test_a_request_for_an_unloaded_model_swaps_out_the_idle_one() -> None:
     assert value(text, "appliance_model_loaded", model="a") == 0
 
 
-async def test_a_model_in_use_is_not_unloaded_until_its_requests_end() -> None:
+async def test_a_busy_model_is_drained_its_streams_end_before_it_is_unloaded() -> None:
     res, managers = residency({"a": True, "b": False})
     release_a = await res.acquire("a")
     waiting = asyncio.ensure_future(res.acquire("b"))
     await asyncio.sleep(0.1)
     assert not waiting.done() and is_loaded(managers["a"])  # a's stream is never cut
     assert res.snapshot("b")["queued"] == 1
+    # Draining: a new request for a waits for a's next load instead of keeping it busy.
+    late = asyncio.ensure_future(res.acquire("a"))
+    await asyncio.sleep(0.1)
+    assert not late.done() and res.snapshot("a")["queued"] == 1
     release_a()
     release_b = await asyncio.wait_for(waiting, 5)
     assert not is_loaded(managers["a"]) and managers["b"].state is EngineState.READY
-    release_b()
+    release_b()  # b idle: a's waiter gets a back
+    (await asyncio.wait_for(late, 5))()
+    assert is_loaded(managers["a"]) and not is_loaded(managers["b"])
+    assert res.snapshot("a")["swaps_in"] == 1 and res.snapshot("b")["swaps_in"] == 1
 
 
 async def test_requests_for_one_model_wait_together_and_share_one_load() -> None:
@@ -144,6 +151,11 @@ async def test_the_least_recently_used_idle_model_goes_first() -> None:
     clock.now += 1
     (await res.acquire("c"))()
     assert is_loaded(managers["a"]) and not is_loaded(managers["b"]) and is_loaded(managers["c"])
+    clock.now += 1
+    release_c = await res.acquire("c")  # c busy, a idle: a goes, though used after c's load
+    (await res.acquire("b"))()
+    assert not is_loaded(managers["a"]) and is_loaded(managers["c"])
+    release_c()
 
 
 async def test_a_pinned_model_is_never_unloaded_and_a_full_queue_is_a_429() -> None:
