@@ -71,7 +71,8 @@ def model_routes(models: ServedModels) -> list[HTTPRouteHandler]:
 async def _models(models: ServedModels) -> dict[str, Any]:
     """Every model of the catalog with its state: a ready worker's own entries (its window,
     without the model's path on disk, which the LAN need not see); a model whose worker is not
-    ready (or does not answer), its names from the catalog. 503 while no worker answers."""
+    ready (or does not answer), its names from the catalog. 503 while no worker answers, unless
+    residency unloaded them (a request loads one)."""
     entries: list[dict[str, Any]] = []
     answered = False
     for served in models:
@@ -81,7 +82,7 @@ async def _models(models: ServedModels) -> dict[str, Any]:
         entries += [entry | {"state": state} for entry in listed] if listed is not None else [
             {"id": name, "object": "model", "owned_by": "chat-appliance", "root": served.name,
              "state": state} for name in served.entry.served_names]
-    if not answered:
+    if not answered and models.residency is None:  # with residency, none loaded is no fault
         engine = models.default.engine
         raise engine_unavailable("not answering", engine.retry_after_s())
     return {"object": "list", "data": entries}

@@ -325,6 +325,9 @@ async def test_with_residency_a_request_waits_for_its_models_load_and_holds_it_t
         assert residency.leases == {"smol": 0}  # released once answered
         health = (await client.get("/health")).json()
         assert health["models"]["smol"]["residency"] == {"in_use": 0}
+        eng["smol"].state = eng["gemma"].state = EngineState.UNLOADED  # all unloaded: listed
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert {entry["state"] for entry in listed} == {"unloaded"}
         residency.refusal = TooManyRequests("queue full", code="model_queue_full",
                                             retry_after_s=4)
         full = await client.post("/v1/messages", json={
