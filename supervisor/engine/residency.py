@@ -149,27 +149,30 @@ class Residency:
     # --- swaps ------------------------------------------------------------------------------
 
     async def _bring_in(self, slot: _Slot) -> None:
-        """Load `slot`'s model, first unloading the least recently used idle models while the
-        limit is reached (waiting for one to become idle if none is)."""
-        async with self._swap:
-            if slot.manager.loaded and not slot.leaving:
-                return  # another waiter of this model loaded it meanwhile
-            evicted = False
-            while self._loaded_count() >= (self._settings.max_loaded or len(self._slots)):
-                victim = self._victim()
-                if victim is None:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            await self._released.wait()  # or time passes (min_resident_s)
-                    continue
-                await self._unload(victim, "swap")
-                evicted = True
-            slot.leaving = False
-            slot.loaded_at = self._clock()
-            slot.swaps += evicted
-            log.info("model.loading", model=slot.entry.name, swap=evicted,
-                     waiting=slot.queued)
-            slot.manager.load()
+        """Load `slot`'s model, first draining and unloading the model `_victim` names while
+        the limit is reached. The lock is held only for a swap itself: while no model can go
+        yet (each loaded too recently, or being loaded for its own waiters), the waiter lets
+        go of it and tries again when a request ends or a second passes, so that the waiters
+        of a model loaded meanwhile are never stuck behind it."""
+        limit = self._settings.max_loaded or len(self._slots)
+        while True:
+            async with self._swap:
+                if slot.manager.loaded and not slot.leaving:
+                    return  # another waiter of this model loaded it meanwhile
+                evicted = False
+                if self._loaded_count() >= limit and (victim := self._victim()) is not None:
+                    await self._unload(victim, "swap")
+                    evicted = True
+                if self._loaded_count() < limit:
+                    slot.loaded_at = self._clock()
+                    slot.swaps += evicted
+                    log.info("model.loading", model=slot.entry.name, swap=evicted,
+                             waiting=slot.queued)
+                    slot.manager.load()
+                    return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._released.wait()  # or time passes (min_resident_s)
 
     def _loaded_count(self) -> int:
         return sum(slot.manager.loaded for slot in self._slots.values())

@@ -217,3 +217,25 @@ def test_the_pinned_models_then_the_catalogs_order_are_loaded_at_start() -> None
     entries = [entry("a"), entry("b", pinned=True), entry("c")]
     assert Residency.initially_loaded(entries, ResidencySettings(max_loaded=2)) == {"b", "a"}
     assert Residency.initially_loaded(entries, ResidencySettings()) == {"a", "b", "c"}
+
+
+async def test_waiters_of_a_model_loaded_meanwhile_are_not_stuck_behind_another_swap() -> None:
+    """a busy; b asked (a drains); a asked again (it waits for a's next load); b asked again
+    while the first swap runs. b's second waiter must not wait behind a's, which can only
+    unload b once b's waiters are served."""
+    res, managers = residency({"a": True, "b": False}, load_wait_s=3.0)
+    managers["b"].boot_s = 0.2
+    release_a = await res.acquire("a")
+    first_b = asyncio.ensure_future(res.acquire("b"))
+    await asyncio.sleep(0.05)
+    again_a = asyncio.ensure_future(res.acquire("a"))
+    await asyncio.sleep(0.05)
+    second_b = asyncio.ensure_future(res.acquire("b"))
+    await asyncio.sleep(0.05)
+    release_a()
+    releases = await asyncio.wait_for(asyncio.gather(first_b, second_b), 2.5)
+    assert managers["b"].loads == 1 and not again_a.done()
+    for release in releases:
+        release()
+    (await asyncio.wait_for(again_a, 2.5))()
+    assert is_loaded(managers["a"]) and not is_loaded(managers["b"])
