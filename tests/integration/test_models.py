@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from load.kit.appliance import Appliance, running_appliance
+from load.kit.completions import stream_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
 
@@ -130,28 +131,6 @@ def test_the_clamp_uses_each_models_own_window(appliance: Appliance) -> None:
         assert window - 16 < applied < window, (name, clamp)
 
 
-def stream_text(appliance: Appliance, body: dict[str, Any], fault: Any) -> tuple[int, str, bool]:
-    """A streamed completion's status, text and whether it ended with [DONE] and no error;
-    `fault` strikes once the first piece of text has come."""
-    text, done, error, struck = "", False, False, False
-    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body | {"stream": True},
-                      timeout=300) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
-                continue
-            event = json.loads(data)
-            error |= "error" in event
-            text += "".join(choice.get("text") or "" for choice in event.get("choices", []))
-            if text and not struck:
-                struck = True
-                fault()
-        return response.status_code, text, done and not error
-
-
 def test_kill_9_of_one_models_worker_leaves_the_other_untouched(appliance: Appliance) -> None:
     before = wait_models_ready(appliance)
     smol_pid, smol_restarts = before["smollm2"]["pid"], before["smollm2"]["restarts"]
@@ -163,11 +142,11 @@ def test_kill_9_of_one_models_worker_leaves_the_other_untouched(appliance: Appli
         os.kill(gemma_pid, signal.SIGKILL)
 
     # A Gemma stream in flight at the kill pauses and is answered in full by the next worker.
-    status, text, clean = stream_text(appliance, {
+    streamed = stream_completion(appliance.url, {
         "model": "gemma", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
-        "ignore_eos": True}, kill)
+        "ignore_eos": True}, on_first_text=kill)
     assert killed, "the stream ended before the kill"
-    assert status == 200 and clean, text
+    assert streamed.status == 200 and streamed.clean, streamed.text
     answered_s = time.monotonic() - killed[0]
     # The default model serves on while Gemma's worker restarts.
     answer = post(appliance, "/v1/chat/completions", {

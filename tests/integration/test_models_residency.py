@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from load.kit.appliance import Appliance, running_appliance
+from load.kit.completions import stream_completion
 from tests.metrics_text import value
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
@@ -72,25 +73,11 @@ def models(appliance: Appliance) -> dict[str, Any]:
 
 def stream(appliance: Appliance, model: str) -> tuple[str, float, float, bool]:
     """A streamed completion: (model, seconds to its first token, to its end, ended cleanly)."""
-    started = time.monotonic()
-    first, done, error = 0.0, False, False
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "stream": True,
-            "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body,
-                      timeout=600) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
-                continue
-            event = json.loads(data)
-            error |= "error" in event
-            if not first and any(c.get("text") for c in event.get("choices", [])):
-                first = time.monotonic() - started
-    return model, first, time.monotonic() - started, done and not error
+    streamed = stream_completion(appliance.url, {
+        "model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True})
+    assert streamed.status == 200, streamed.text
+    return model, streamed.first_token_s, streamed.total_s, streamed.clean
 
 
 def test_at_start_only_one_model_is_loaded(appliance: Appliance) -> None:
