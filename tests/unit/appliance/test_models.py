@@ -342,3 +342,14 @@ async def test_the_default_holds_readiness_unless_it_says_pinned_false(
     async with two_models(default_pinned=default_pinned) as (client, _, engines):
         engines["gemma"].state = EngineState.UNLOADED  # residency gave its memory back
         assert (await client.get("/health")).status_code == status
+
+
+def test_the_two_models_example_is_a_valid_catalog(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Path(__file__).resolve().parents[3] / "config" / "examples" / "two-models.toml"
+    monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(example))
+    smol, gemma = Catalog.from_settings(load_settings()).entries
+    assert (smol.name, smol.default, smol.pinned, gemma.name, gemma.pinned) == (
+        "smollm2", True, True, "gemma", False)
+    assert gemma.engine.chat_template is not None and gemma.keep_alive_s == 300
+    assert (Path(__file__).resolve().parents[3] / "config" / "examples"
+            / gemma.engine.chat_template.name).is_file()  # the template it names is shipped
