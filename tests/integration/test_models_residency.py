@@ -106,7 +106,9 @@ def test_an_idle_model_past_its_keep_alive_is_unloaded_and_its_memory_returned(
     stream(appliance, "gemma")  # loaded now, whatever the last test left
     pid = models(appliance)["gemma"]["pid"]
     tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    rss = sum(p.memory_info().rss for p in tree)
+    # Unique memory (USS): what the tree alone holds, and an unload gives back; RSS would count
+    # the pages its processes share with each other and the template more than once.
+    uss = sum(p.memory_full_info().uss for p in tree)
     deadline = time.monotonic() + KEEP_ALIVE_S + 60
     while models(appliance)["gemma"]["state"] != "unloaded":
         assert time.monotonic() < deadline, models(appliance)
@@ -115,7 +117,7 @@ def test_an_idle_model_past_its_keep_alive_is_unloaded_and_its_memory_returned(
     assert idle["residency"]["unloads"].get("idle") == 1
     assert not any(p.is_running() for p in tree)  # the whole tree, and its memory, are gone
     print(f"gemma idle past keep_alive_s={KEEP_ALIVE_S:g}: unloaded, its worker tree's "
-          f"{rss / 2**20:.0f} MiB RSS given back")
+          f"{uss / 2**20:.0f} MiB (USS) given back")
     # Nothing is pinned here: with no model loaded the box is still ready to load one.
     assert appliance.health().status_code == 200
     _, first, _, clean = stream(appliance, "gemma")
