@@ -25,23 +25,7 @@ from typing import Any
 
 from load.kit.appliance import Appliance, running_appliance
 from load.kit.completions import stream_completion
-
-MODELS = Path(__file__).resolve().parents[2] / ".models"
-CONFIG = """
-[models.smollm2]
-path = {smol}
-default = true
-pinned = false
-
-[models.gemma]
-path = {gemma}
-max_model_len = 1024
-
-[residency]
-max_loaded = 1
-min_resident_s = 0.0
-load_wait_s = 300.0
-"""
+from load.kit.two_models import gemma_installed, one_at_a_time
 
 
 def emit(**fields: Any) -> None:
@@ -74,12 +58,9 @@ def _seconds(stamp: str) -> float:
 
 
 def run(swaps: int, work: Path) -> None:
-    gemma = MODELS / "gemma-3-270m"
-    if not (gemma / "config.json").is_file():
+    if not gemma_installed():
         raise SystemExit("Gemma 3 270M is not installed: bash install.sh --model gemma3-270m")
-    config = work / "swap.toml"
-    config.write_text(CONFIG.format(smol=json.dumps(str(MODELS / "SmolLM2-135M-Instruct")),
-                                    gemma=json.dumps(str(gemma))))
+    config = one_at_a_time(work / "swap.toml", min_resident_s=0.0, load_wait_s=300.0)
     started = time.monotonic()
     with running_appliance(work, {"CHAT_APPLIANCE_CONFIG": str(config)}) as appliance:
         appliance.wait_ready()

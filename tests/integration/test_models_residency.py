@@ -7,12 +7,10 @@ Marked long: Gemma is installed by `install.sh --model gemma3-270m`, which CI do
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,43 +19,23 @@ import pytest
 
 from load.kit.appliance import Appliance, running_appliance
 from load.kit.completions import stream_completion
+from load.kit.two_models import gemma_installed, one_at_a_time
 from tests.metrics_text import value
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
 
-ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = ROOT / ".models"
 KEEP_ALIVE_S = 8.0
 REQUESTS = 16
 IN_FLIGHT = 4
 
-CONFIG = """
-[models.smollm2]
-path = {smol}
-default = true
-pinned = false
-
-[models.gemma]
-path = {gemma}
-max_model_len = 1024
-keep_alive_s = {keep}
-
-[residency]
-max_loaded = 1
-min_resident_s = 2.0
-load_wait_s = 240.0
-"""
-
 
 @pytest.fixture(scope="module")
 def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    gemma = MODELS_DIR / "gemma-3-270m"
-    if not (gemma / "config.json").is_file():
+    if not gemma_installed():
         pytest.skip("Gemma 3 270M is not installed (bash install.sh --model gemma3-270m)")
     tmp_path = tmp_path_factory.mktemp("residency")
-    config = tmp_path / "residency.toml"
-    config.write_text(CONFIG.format(smol=json.dumps(str(MODELS_DIR / "SmolLM2-135M-Instruct")),
-                                    gemma=json.dumps(str(gemma)), keep=KEEP_ALIVE_S))
+    config = one_at_a_time(tmp_path / "residency.toml", min_resident_s=2.0, load_wait_s=240.0,
+                           gemma_keep_alive_s=KEEP_ALIVE_S)
     with running_appliance(tmp_path, {"CHAT_APPLIANCE_CONFIG": str(config)}) as appliance:
         appliance.wait_ready()
         deadline = time.monotonic() + 300
