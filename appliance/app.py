@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +28,9 @@ from appliance.apis.openai import routes as openai
 from appliance.apis.openai.api import OPENAI
 from appliance.apis.responses import routes as responses
 from appliance.apis.tokenizer import routes as tokenizer
+from appliance.core.catalog import Catalog, CatalogEntry
 from appliance.core.context import REQUEST_ID, headers_of, request_context
-from appliance.core.engine import EngineView
+from appliance.core.engine import EngineView, Residency
 from appliance.core.errors import (
     ApiError,
     BadRequest,
@@ -53,6 +54,7 @@ from appliance.proxy.relay import RelayDeps
 from appliance.recovery.quarantine import Quarantine
 from appliance.routes import guards, ops
 from appliance.routes.generation import RouteDeps
+from appliance.routes.models import ServedModel, ServedModels
 from appliance.status import routes as status
 from appliance.status.document import StatusSources
 from appliance.status.recent import EngineReading, Recent
@@ -100,12 +102,17 @@ def create_app(
     alive: Callable[[], bool] = lambda: True,
     engine_reading: EngineReading = lambda: None,
     quarantine: Quarantine | None = None,
+    models: Mapping[str, EngineView] | None = None,
+    residency: Residency | None = None,
 ) -> Litestar:
     """Build the API around an engine view; nothing here reaches into the supervisor.
 
-    `engine_reading` gives the worker's own counters as the supervisor last read them (the
-    status page's tokens/s and engine queue); without it those read as unknown. `quarantine`
-    is told of engine deaths by the supervisor's crash forensics; without it none is counted."""
+    `engine` is the default model's; `models` has each model of the catalog's by its name (the
+    default's included; without a catalog the one model is `engine`). `engine_reading` gives the default
+    worker's own counters as the supervisor last read them (the status page's tokens/s and
+    engine queue); without it those read as unknown. `quarantine` is told of engine deaths by
+    the supervisor's crash forensics; without it none is counted. `residency` loads and unloads
+    models on demand (None: every model stays loaded)."""
     # Client names only where /metrics asks for a key.
     metrics = RequestMetrics(registry or CollectorRegistry(),
                              client_names=settings.server.protect_ops_routes)
@@ -113,20 +120,31 @@ def create_app(
     metrics.in_flight.set_function(lambda: admission.in_flight)
     metrics.queued.set_function(lambda: admission.queued)
     clients = clients or Roster.from_settings(settings)
-    upstream = Upstream(engine.base_url, Limits.of(settings.server), engine.retry_after_s)
-    gate = Gate(settings, BudgetFitter(upstream, engine, settings.policy), metrics.clamped)
     quarantine = quarantine or Quarantine(settings.resume)
     quarantine.listeners.append(metrics.quarantined)
-    relay = RelayDeps(engine, admission, gate, upstream, metrics, settings.resume, quarantine,
-                      CostWatch(settings.constraints, metrics.too_costly))
+    catalog = Catalog.from_settings(settings)
+    engines = dict(models) if models is not None and settings.models else {
+        catalog.default.name: engine}
+
+    def served(entry: CatalogEntry) -> ServedModel:
+        """A model's own relay: its worker's address, its gate (its window, its modalities)."""
+        view, own = engines[entry.name], entry.settings(settings)
+        upstream = Upstream(view.base_url, Limits.of(settings.server), view.retry_after_s)
+        gate = Gate(own, BudgetFitter(upstream, view, settings.policy), metrics.clamped)
+        return ServedModel(entry, RelayDeps(view, admission, gate, upstream, metrics,
+                                            settings.resume, quarantine,
+                                            CostWatch(settings.constraints, metrics.too_costly)))
+
+    served_models = ServedModels([served(entry) for entry in catalog],
+                                 routed=bool(settings.models), residency=residency)
     recent = Recent(settings.status, metrics, lambda: admission.in_flight, engine_reading)
     sources = StatusSources(settings, engine, admission, metrics, recent, engine_reading,
-                            quarantine)
+                            quarantine, served_models)
     protect = settings.server.protect_ops_routes
     operations = Router("/", route_handlers=[*ops.guarded_routes(metrics),
                                              *status.data_routes(sources)],
                         guards=[guards.key_guard(clients)] if protect else [])
-    health = ops.health_route(engine, admission, (lambda scope: guards.holds_key(
+    health = ops.health_route(served_models, admission, (lambda scope: guards.holds_key(
         clients, scope, "/health")) if protect else (lambda _: True))
 
     @contextlib.asynccontextmanager
@@ -138,7 +156,8 @@ def create_app(
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
-            await upstream.aclose()
+            for model in served_models:
+                await model.relay.upstream.aclose()
 
     def answer(scope: Scope, error: ApiError) -> ErrorAnswer:
         request_id = headers_of(scope).get(REQUEST_ID)
@@ -157,8 +176,8 @@ def create_app(
                         media_type="application/json", headers=answered.headers)
 
     return Litestar(
-        route_handlers=[*_api_routers(settings, relay, clients), operations,
-                        *ops.open_routes(alive, engine), health, *status.page_routes()],
+        route_handlers=[*_api_routers(settings, served_models, clients), operations,
+                        *ops.open_routes(alive, served_models), health, *status.page_routes()],
         exception_handlers={Exception: on_error},
         # The Host before any route's guards, body or handler: a page that rebound a name to
         # this box gets nothing from any route (request_context and metrics only note it).
@@ -171,11 +190,11 @@ def create_app(
     )
 
 
-def _api_routers(settings: Settings, relay: RelayDeps, clients: Roster) -> list[Router]:
+def _api_routers(settings: Settings, models: ServedModels, clients: Roster) -> list[Router]:
     """The API families' routes, each behind the key guard its protocol's clients expect, and
-    answered only while the engine serves. A new family is one line here."""
-    deps = RouteDeps(relay, settings.server, settings.policy)
-    ready = guards.ready_guard(relay.engine)
+    answered only while an engine serves. A new family is one line here."""
+    deps = RouteDeps(models.default.relay, settings.server, settings.policy, models)
+    ready = guards.ready_guard(models)
     api = Router("/", route_handlers=[*openai.routes(deps), *batch.routes(deps),
                                       *responses.routes(deps), *tokenizer.routes(deps)],
                  guards=[guards.key_guard(clients), ready])

@@ -13,11 +13,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
 from appliance.app import ApiState, api_server, create_app
-from appliance.core.engine import EngineState, Waiting
-from appliance.core.sections import EngineSettings, GpuSettings
+from appliance.core.catalog import Catalog
+from appliance.core.engine import EngineState
+from appliance.core.sections import GpuSettings
 from appliance.core.settings import ConfigError, Settings
 from appliance.fences.uvicorn import ApiServer
 from supervisor.engine.gpu_budget import (
@@ -28,18 +29,11 @@ from supervisor.engine.gpu_budget import (
     read_gpu_memory,
     read_model_shape,
 )
-from supervisor.engine.launcher import build_launcher
 from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
-from supervisor.engine.probe import HttpProber
-from supervisor.forensics.recorder import Recorder
-from supervisor.gpu.device import device_env
+from supervisor.engine.residency import Residency
+from supervisor.engine.stack import ModelStack, build_stack
 from supervisor.gpu.watch import build_gpu_watch
-from supervisor.monitors import Monitor
-from supervisor.monitors.gpu import GpuHealthMonitor
-from supervisor.monitors.health import HealthMonitor
-from supervisor.monitors.progress import ProgressMonitor, WorkerDemand
-from supervisor.monitors.stillness import Stillness, server_activity
 from supervisor.observe.collector import SupervisorCollector, restart_durations
 from supervisor.observe.signals import LoadSignals
 from supervisor.operator.control import control_socket
@@ -47,7 +41,6 @@ from supervisor.operator.private import private_dir
 from supervisor.operator.reload import Reloader
 from supervisor.operator.sdnotify import Notifier
 from supervisor.operator.tls import ServerTls
-from supervisor.selftest.canary import CanaryWatch
 
 log = structlog.get_logger("supervisor.serve")
 
@@ -113,65 +106,60 @@ async def serve(settings: Settings) -> int:
     notifier = Notifier.from_env()
     sup, engine = settings.supervisor, settings.engine
 
-    # 1. The engine manager, its monitors and the GPU monitor (absent GPU: probes alone).
+    # 1. One stack per model of the catalog: its manager, monitors, launcher, forensics and
+    #    canary; the GPU monitor is shared (absent GPU: probes alone).
+    catalog = Catalog.from_settings(settings)
     prepare_cache_dir(engine.resolved_cache_dir())
     try:
-        prepare_socket_dir(engine)
+        for entry in catalog:  # the default's directory first: the others' are inside it
+            prepare_socket_dir(entry.engine)
     except (ListenError, OSError) as exc:
         log.error("engine.socket_dir_refused", error=str(exc))
         return EXIT_FAILURE
     gpu = await build_gpu_watch(settings.gpu)
-    prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
     api = ApiState.from_settings(settings)
-    # Only requests the API sends make the engine work: while none is, it is not read again;
-    # while some wait on it, they are work even if the worker's own gauges froze.
-    waiting = Waiting(settings.policy.max_inflight)
-    progress = ProgressMonitor(
-        prober, sup, demand=lambda: WorkerDemand(len(waiting), waiting.sent, waiting.unanswered()),
-        stillness=Stillness(sup, "/metrics"), server=server_activity)
-    monitors: list[Monitor] = [
-        HealthMonitor(prober, interval_s=sup.health_interval_s, failures=sup.health_failures,
-                      stillness=Stillness(sup, "/health")),
-        progress,
-    ]
-    if gpu is not None:
-        monitors.append(GpuHealthMonitor(gpu))
-    reservation = size_gpu_reservation(settings)
-    launcher = build_launcher(worker_settings(settings, reservation, gpu.uuid if gpu else None),
-                              settings.policy.allowed_media_hosts)
-    # Each death's in-flight requests are counted against them: one that keeps killing the
-    # engine is refused (request_quarantined) before it trips the crash-loop guard; one that
-    # a worker answered in full, and lived, is cleared of them.
-    waiting.answered.append(api.quarantine.answered)
-    forensics = Recorder(settings, waiting, metrics=lambda: progress.stats,
-                         gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
-                         else {"status": "unavailable"}, deaths=api.quarantine.died)
-    manager = EngineManager(settings, launcher, prober, monitors, gpu=gpu, waiting=waiting,
-                            forensics=forensics)
-    manager.listeners.append(lambda old, new, cause: _report_state(notifier, manager, new, cause))
-    # Each worker, once ready, answers the correctness canary in the background.
-    canary = CanaryWatch(engine, settings.canary, prober.ask, lambda: manager.pid)
-    manager.listeners.append(canary.on_state)
-    manager.details["canary"] = canary.summary
+    # Residency where models may be unloaded (a limit, or an idle timeout): the models beyond
+    # the limit start unloaded, and a request loads them.
+    swapping = settings.residency.max_loaded is not None or any(
+        entry.keep_alive_s is not None for entry in catalog)
+    first = Residency.initially_loaded(catalog.entries, settings.residency)
+    stacks = [build_stack(settings, entry, api, gpu, size_gpu_reservation,
+                          loaded=entry.name in first) for entry in catalog]
+    residency = Residency([(s.entry, s.manager) for s in stacks], settings.residency) \
+        if swapping else None
+    default = stacks[0]
+    for stack in stacks:
+        stack.manager.listeners.append(functools.partial(_report_state, notifier, stack,
+                                                         len(stacks)))
+    if len(stacks) > 1:
+        log.info("models.catalog", models=[stack.name for stack in stacks], default=default.name)
 
     # 2. Metrics: the supervisor's facts, read at scrape time, in the registry the API serves.
     registry = CollectorRegistry()
-    registry.register(SupervisorCollector(manager, progress, gpu, canary))
-    # The load signals a router reads, in vLLM's names (the fleet's balancing).
-    registry.register(LoadSignals(manager, progress, lambda: api.admission.queued,
-                                  lambda: len(waiting)))
+    registry.register(SupervisorCollector([s.observed() for s in stacks], gpu))
+    # The load signals a router reads, in vLLM's names (the fleet's balancing); the admission
+    # queue is the whole box's, counted once, with the default model.
+    registry.register(LoadSignals([(s.manager, s.progress, s.owed) for s in stacks],
+                                  lambda: api.admission.queued))
+    if residency is not None:
+        registry.register(residency.collector())
     durations = restart_durations(registry)
-    manager.phase_listeners.append(lambda phase, s: durations.labels(phase=phase).observe(s))
+    for stack in stacks:
+        stack.manager.phase_listeners.append(functools.partial(_observe_phase, durations,
+                                                               stack.name))
 
     # 3. The API on the LAN; READY=1 once it listens, before the model loads (it answers 503).
-    manager_task: asyncio.Task[None] | None = None
+    manager_tasks: list[asyncio.Task[None]] = []
     reloader = Reloader(api.clients, tls)
     # SIGHUP (kill -HUP) reloads as `chat-appliance reload` (systemctl reload) does.
     loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
-    app = create_app(settings, manager, registry=registry, admission=api.admission, clients=api.clients,
-                     alive=lambda: manager_task is not None and not manager_task.done(),
-                     engine_reading=lambda: progress.stats if manager.state is EngineState.READY
-                     else None, quarantine=api.quarantine)
+    app = create_app(settings, default.manager, registry=registry, admission=api.admission,
+                     clients=api.clients, models={s.name: s.manager for s in stacks},
+                     residency=residency,
+                     alive=lambda: bool(manager_tasks) and not any(t.done() for t in manager_tasks),
+                     engine_reading=lambda: default.progress.stats
+                     if default.manager.state is EngineState.READY else None,
+                     quarantine=api.quarantine)
     server = api_server(settings, app, registry, None if tls is None else lambda: tls.context)
     server_task = asyncio.create_task(_run_server(server))
     if not await _wait_listening(server, server_task):
@@ -192,13 +180,15 @@ async def serve(settings: Settings) -> int:
     gc.collect()
     gc.freeze()
 
-    # 4. The worker, and the watchdog ping that proves this loop still turns.
-    manager_task = asyncio.create_task(manager.run())
-    watchdog = asyncio.create_task(_watchdog(notifier, manager, manager_task, server_task))
+    # 4. The workers, and the watchdog ping that proves this loop still turns.
+    managers = [stack.manager for stack in stacks]
+    manager_tasks += [asyncio.create_task(manager.run()) for manager in managers]
+    idle = asyncio.create_task(residency.run()) if residency is not None else None
+    watchdog = asyncio.create_task(_watchdog(notifier, managers, *manager_tasks, server_task))
 
-    # 5. Run until a signal, or until the API or the manager ends on its own.
-    await _first(signals.first.wait(), manager_task, server_task)
-    failed = server_task.done() or manager_task.done()
+    # 5. Run until a signal, or until the API or a manager ends on its own.
+    await _first(signals.first.wait(), *manager_tasks, server_task)
+    failed = server_task.done() or any(task.done() for task in manager_tasks)
     log.info("supervisor.stopping", cause="internal failure" if failed else signals.cause)
     notifier.stopping()
     # READY=1 went out when the API listened, so model loads need no extension; a drain
@@ -206,13 +196,19 @@ async def serve(settings: Settings) -> int:
     notifier.extend_timeout(sup.drain_timeout_s + sup.stop_grace_s + 30)
 
     # 6. Drain: 503 for anything new, in-flight requests finish up to the drain timeout.
-    manager.begin_drain()
+    if idle is not None:  # nothing is loaded or unloaded while the box stops
+        idle.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await idle
+    for manager in managers:
+        manager.begin_drain()
     await _drain(api, sup.drain_timeout_s, signals.second)
 
-    # 7. Stop the worker (group SIGTERM, grace, SIGKILL, reap), then the API.
-    manager.request_stop()
+    # 7. Stop the workers (group SIGTERM, grace, SIGKILL, reap), then the API.
+    for manager in managers:
+        manager.request_stop()
     with contextlib.suppress(asyncio.CancelledError):
-        await manager_task
+        await asyncio.gather(*manager_tasks)
     watchdog.cancel()
     # systemd keeps the watchdog armed while the unit stops: the rest of the stop (the clients'
     # close, the template's exit) must not read as a frozen loop. TimeoutStopSec bounds it.
@@ -221,30 +217,13 @@ async def serve(settings: Settings) -> int:
     with contextlib.suppress(asyncio.CancelledError, SystemExit):
         await server_task
     await operator.aclose()
-    await canary.aclose()
-    await prober.aclose()
-    await launcher.aclose()
+    for stack in stacks:
+        await stack.aclose()
     if gpu is not None:
         await gpu.aclose()
     stopping.cancel()
-    log.info("supervisor.stopped", restarts=manager.restarts)
+    log.info("supervisor.stopped", restarts={s.name: s.manager.restarts for s in stacks})
     return EXIT_FAILURE if failed else EXIT_OK
-
-
-def worker_settings(settings: Settings, reservation: Reservation | None = None,
-                    gpu_uuid: str | None = None) -> EngineSettings:
-    """The engine's settings with the sized GPU reservation, on the GPU the monitor watches, and
-    vLLM's priority scheduler where clients have priorities (the operator's own engine.env and
-    engine.extra_args come after, and win)."""
-    engine = settings.engine
-    update: dict[str, object] = {}
-    if reservation is not None:
-        update["gpu_memory_utilization"] = reservation.utilization
-    if engine.resolved_device() == "cuda":
-        update["env"] = {**device_env(settings.gpu, gpu_uuid), **engine.env}
-    if settings.admission.engine_priority():
-        update["extra_args"] = ["--scheduling-policy", "priority", *engine.extra_args]
-    return engine.model_copy(update=update)
 
 
 def size_gpu_reservation(
@@ -300,7 +279,7 @@ async def _drain(api: ApiState, timeout_s: float, forced: asyncio.Event) -> None
     log.info("supervisor.drained", left=api.admission.in_flight, forced=forced.is_set())
 
 
-async def _watchdog(notifier: Notifier, manager: EngineManager,
+async def _watchdog(notifier: Notifier, managers: list[EngineManager],
                     *tasks: asyncio.Task[None]) -> None:
     """WATCHDOG=1 only while the API runs and the manager's loop still turns; a frozen event
     loop sends nothing at all, so systemd restarts the service either way."""
@@ -308,10 +287,12 @@ async def _watchdog(notifier: Notifier, manager: EngineManager,
     if interval is None:
         return
     while all(not task.done() for task in tasks):
-        if manager.loop_is_turning():
+        stuck = [manager for manager in managers if not manager.loop_is_turning()]
+        if not stuck:
             notifier.watchdog()
-        else:
-            log.error("supervisor.manager_stuck", since_s=round(time.monotonic() - manager.last_tick))
+        for manager in stuck:
+            log.error("supervisor.manager_stuck", model=manager.model_name,
+                      since_s=round(time.monotonic() - manager.last_tick))
         await asyncio.sleep(interval)
 
 
@@ -323,6 +304,12 @@ async def _keep_alive(notifier: Notifier) -> None:
         await asyncio.sleep(interval)
 
 
-def _report_state(notifier: Notifier, manager: EngineManager, state: EngineState,
-                  cause: str) -> None:
-    notifier.status(f"engine {state.value} ({cause}); restarts {manager.restarts}")
+def _observe_phase(durations: Histogram, model: str, phase: str, seconds: float) -> None:
+    durations.labels(phase=phase, model=model).observe(seconds)
+
+
+def _report_state(notifier: Notifier, stack: ModelStack, models: int, _old: EngineState,
+                  state: EngineState, cause: str) -> None:
+    """systemd's STATUS line: the model's name where the catalog holds several."""
+    named = f"model {stack.name}: " if models > 1 else ""
+    notifier.status(f"{named}engine {state.value} ({cause}); restarts {stack.manager.restarts}")

@@ -21,6 +21,7 @@ class EngineState(enum.StrEnum):
     BACKOFF = "backoff"
     FAILED = "failed"
     STOPPED = "stopped"
+    UNLOADED = "unloaded"  # residency stopped its worker; a request for it loads it again
 
 
 class Pending(Protocol):
@@ -265,3 +266,18 @@ class EngineView(Protocol):
         """Health detail: state, pid, uptime, restarts, last exit cause, GPU summary."""
         ...
 
+
+
+class Residency(Protocol):
+    """Which models have a worker loaded (supervisor.engine.residency); absent where every
+    model of the catalog stays loaded."""
+
+    async def acquire(self, model: str) -> Callable[[], None]:
+        """Waits until `model`'s worker serves (loading it, and unloading an idle model for
+        it, if need be); returns the release to call when the request ends. Raises an ApiError
+        (429 or 503, with Retry-After) where it cannot be served in time."""
+        ...
+
+    def snapshot(self, model: str) -> dict[str, object]:
+        """The model's residency: loaded, in use, queued, idle time, swaps and unloads."""
+        ...

@@ -154,6 +154,8 @@ class EngineSettings(_Group):
     python: Path = Field(default_factory=default_engine_python)
     model: str = Field(default_factory=default_model)
     served_model_name: str | None = None
+    # More names clients may send as `model` for this model (the worker answers to each).
+    served_model_aliases: list[str] = Field(default_factory=list)
     # "unix": the worker listens on a socket in a directory only the service user can enter;
     # "tcp": on host:port, where every local user reaches it past the gate (a fallback only).
     listen: Literal["unix", "tcp"] = "unix"
@@ -176,6 +178,8 @@ class EngineSettings(_Group):
     max_num_seqs: int | None = Field(None, ge=1)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # A Jinja chat template file for a model without one of its own (a base model).
+    chat_template: Path | None = None
     responses_store: bool = True
     tokenizer_info: bool = True
     trust_remote_code: bool = False

@@ -15,6 +15,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from appliance.core.catalog import ModelSettings, ResidencySettings, check_catalog
 from appliance.core.sections import (
     CONFIG_ENV,
     ENV_PREFIX,
@@ -58,6 +59,9 @@ class Settings(BaseSettings):
     resume: ResumeSettings = Field(default_factory=ResumeSettings)
     canary: CanarySettings = Field(default_factory=CanarySettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    # The catalog ([models.<name>] tables, appliance.core.catalog); empty: [engine]'s one model.
+    models: dict[str, ModelSettings] = Field(default_factory=dict)
+    residency: ResidencySettings = Field(default_factory=ResidencySettings)
 
     @classmethod
     def settings_customise_sources(
@@ -85,6 +89,11 @@ class Settings(BaseSettings):
         shared = [" and ".join(names) for names in owners.values() if len(names) > 1]
         if shared:
             raise ValueError(f"one key names one caller: {'; '.join(shared)} have the same key")
+        return self
+
+    @model_validator(mode="after")
+    def _one_name_per_model(self) -> Settings:
+        check_catalog(self.models, self.engine, self.residency)
         return self
 
 

@@ -45,6 +45,7 @@ class Flag(StrEnum):
     ENABLE_AUTO_TOOL_CHOICE = "--enable-auto-tool-choice"
     TOOL_CALL_PARSER = "--tool-call-parser"
     REASONING_PARSER = "--reasoning-parser"
+    CHAT_TEMPLATE = "--chat-template"
     TRUST_REMOTE_CODE = "--trust-remote-code"
     ALLOWED_MEDIA_DOMAINS = "--allowed-media-domains"
     ENABLE_SCALE_OUT = "--enable-scale-out"

@@ -23,31 +23,38 @@ from appliance.proxy.outbound import Outbound, PassThrough, Refine
 from appliance.proxy.relay import Relay, RelayDeps
 from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
+from appliance.routes.models import ServedModels
 
 # Request headers the worker should see: tracing context, so vLLM continues the client's trace.
 _FORWARDED = (b"traceparent", b"tracestate")
 
-Prepare = Callable[[Vetted], None]  # a route's own step between the gate and the relay
+# A route's own step between the gate and the relay, given the relay of the model it goes to.
+Prepare = Callable[[Vetted, RelayDeps], None]
 
 
 @dataclass(frozen=True)
 class RouteDeps:
-    relay: RelayDeps
+    relay: RelayDeps  # the default model's: for what no body names a model for
     server: ServerSettings
     policy: PolicySettings
+    models: ServedModels
+
 
 
 def generation(api: GenerationApi, deps: RouteDeps,
                prepare: Prepare | None = None) -> HTTPRouteHandler:
-    """POST at the API's path: JSON body read in bounded time, vetted, relayed."""
-    relay, server = deps.relay, deps.server
+    """POST at the API's path: JSON body read in bounded time, routed to the model it names,
+    vetted by that model's gate, relayed to that model's worker."""
+    server = deps.server
 
     async def handle(request: Request[Any, Any, Any]) -> ASGIApp:
         raw = await read_json_body(request, server)
+        model = deps.models.pick(raw)
+        relay = model.relay
         vetted = await relay.gate.vet(raw, api, client_of(request))
         if prepare is not None:
-            prepare(vetted)
-        return relay_for(vetted, request, relay)
+            prepare(vetted, relay)
+        return await deps.models.leased(model, relay_for(vetted, request, relay))
 
     return post(api.path, name=api.name, opt={"shape": api.shape}, status_code=200)(handle)
 

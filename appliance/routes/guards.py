@@ -10,8 +10,8 @@ from litestar.types import Guard, Scope
 
 from appliance.admission.clients import ANYONE, Client, Roster
 from appliance.core.context import bind_client, headers_of
-from appliance.core.engine import EngineState, EngineView
 from appliance.core.errors import Forbidden, Unauthorized, engine_unavailable
+from appliance.routes.models import ServedModels
 
 _CLIENT = "appliance.client"  # where the guard leaves the client in the request's scope state
 
@@ -60,12 +60,14 @@ def client_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Client:
     return client if isinstance(client, Client) else ANYONE
 
 
-def ready_guard(engine: EngineView) -> Guard:
-    """503 with Retry-After, before any work is done for a request, unless the engine serves;
-    in the route's error shape, as every refusal of a guard is."""
+def ready_guard(models: ServedModels) -> Guard:
+    """503 with Retry-After, before any work is done for a request, unless an engine serves;
+    in the route's error shape, as every refusal of a guard is. Which model's engine a request
+    needs is known once its body is read (ServedModels.pick); with one model, it is this one."""
 
     async def guard(_: ASGIConnection, __: BaseRouteHandler) -> None:  # type: ignore[type-arg]
-        if engine.state is not EngineState.READY:
+        if not models.any_ready():
+            engine = models.default.engine
             raise engine_unavailable(engine.state.value, engine.retry_after_s())
 
     return guard

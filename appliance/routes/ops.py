@@ -1,5 +1,6 @@
 """Operational routes: /health (readiness with detail), /readyz (readiness, open), /livez
-(liveness, open), /metrics (Prometheus).
+(liveness, open), /metrics (Prometheus). With several models, "the engine" below is every
+model that must be up: the default and each pinned one.
 
 A router or load balancer asks /readyz: 200 means "send me a new request"; 503 with Retry-After
 while the engine starts, restarts or the box is draining. systemd and monitoring ask /livez: 200
@@ -17,9 +18,10 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.types import Scope
 
 from appliance.admission.slots import Admission
-from appliance.core.engine import EngineState, EngineView
+from appliance.core.engine import EngineState
 from appliance.observe.metrics import RequestMetrics
 from appliance.routes.handlers import get
+from appliance.routes.models import ServedModels
 
 QUIET = {"quiet": True}  # polled: an access line each would drown the log
 
@@ -35,27 +37,34 @@ def guarded_routes(metrics: RequestMetrics) -> list[HTTPRouteHandler]:
     return [metrics_route]
 
 
-def health_route(engine: EngineView, admission: Admission,
+def health_route(models: ServedModels, admission: Admission,
                  detailed: Callable[[Scope], bool]) -> HTTPRouteHandler:
     """/health: the readiness verdict to anyone; the engine's detail only where `detailed`
     (open by default; with server.protect_ops_routes, a key allowed /health). A keyless caller
-    gets the verdict, never a 401: vllm-router probes /health without a key before it serves."""
+    gets the verdict, never a 401: vllm-router probes /health without a key before it serves.
+
+    Ready: the default model and every pinned one are ready (another model's restart is that
+    model's 503s, not the box's). The detail is the default model's engine at the top, as with
+    one model, and every model's under `models`."""
 
     @get("/health", opt=QUIET, sync_to_thread=False)
     def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-        ready = engine.state is EngineState.READY
-        headers = {} if ready else {"Retry-After": str(engine.retry_after_s())}
+        blocking = models.not_ready()
+        engine = (blocking or models.default).engine
+        headers = {} if blocking is None else {"Retry-After": str(engine.retry_after_s())}
         if detailed(request.scope):
-            detail = engine.snapshot() | {"in_flight": admission.in_flight,
-                                          "queued": admission.queued}
+            detail = models.default.engine.snapshot() | {
+                "in_flight": admission.in_flight, "queued": admission.queued,
+                "models": {model.name: models.detail(model) for model in models}}
         else:
-            detail = {"ready": ready, "state": engine.state.value}
-        return Response(content=detail, status_code=200 if ready else 503, headers=headers)
+            detail = {"ready": blocking is None, "state": engine.state.value}
+        return Response(content=detail, status_code=200 if blocking is None else 503,
+                        headers=headers)
 
     return health
 
 
-def open_routes(alive: Callable[[], bool], engine: EngineView) -> list[HTTPRouteHandler]:
+def open_routes(alive: Callable[[], bool], models: ServedModels) -> list[HTTPRouteHandler]:
     """Always open: a liveness or readiness probe must never need a secret."""
 
     @get("/livez", opt=QUIET, sync_to_thread=False)
@@ -66,10 +75,12 @@ def open_routes(alive: Callable[[], bool], engine: EngineView) -> list[HTTPRoute
     @get("/readyz", opt=QUIET, sync_to_thread=False)
     def readyz() -> Response[dict[str, Any]]:
         # The verdict alone (and the state, which names why not): a router acts on the status.
-        state = engine.state
-        if state is EngineState.READY:
-            return Response(content={"ready": True, "state": state.value}, status_code=200)
-        return Response(content={"ready": False, "state": state.value}, status_code=503,
-                        headers={"Retry-After": str(engine.retry_after_s())})
+        blocking = models.not_ready()
+        if blocking is None:
+            return Response(content={"ready": True, "state": EngineState.READY.value},
+                            status_code=200)
+        return Response(content={"ready": False, "state": blocking.engine.state.value},
+                        status_code=503,
+                        headers={"Retry-After": str(blocking.engine.retry_after_s())})
 
     return [livez, readyz]

@@ -13,6 +13,7 @@ from appliance.core.engine import EngineView
 from appliance.core.settings import Settings
 from appliance.observe.metrics import RequestMetrics
 from appliance.recovery.quarantine import Quarantine
+from appliance.routes.models import ServedModels
 from appliance.status.recent import EngineReading, Recent
 
 
@@ -27,6 +28,7 @@ class StatusSources:
     recent: Recent
     engine_reading: EngineReading
     quarantine: Quarantine
+    models: ServedModels | None = None  # None: the one model is `engine`
 
 
 def status_document(sources: StatusSources) -> dict[str, Any]:
@@ -39,6 +41,7 @@ def status_document(sources: StatusSources) -> dict[str, Any]:
         "at": round(time.time(), 1),
         "refresh_s": sources.settings.status.refresh_s,
         "engine": sources.engine.snapshot(),
+        "models": _models(sources),
         "requests": {
             "in_flight": sources.admission.in_flight,
             "max_inflight": sources.settings.policy.max_inflight,
@@ -55,6 +58,20 @@ def status_document(sources: StatusSources) -> dict[str, Any]:
             "series": series,
         },
     }
+
+
+def _models(sources: StatusSources) -> list[dict[str, Any]]:
+    """A row per model of the catalog: its names, its worker's state, pid and restarts."""
+    if sources.models is None:
+        engine = sources.engine
+        return [{"name": engine.model_name, "aliases": [], "state": engine.state.value,
+                 "pid": engine.pid, "restarts": engine.snapshot().get("restarts"),
+                 "default": True, "pinned": True}]
+    return [{"name": model.name, "aliases": list(model.entry.aliases),
+             "state": model.engine.state.value, "pid": model.engine.pid,
+             "restarts": model.engine.snapshot().get("restarts"),
+             "default": model.entry.default, "pinned": model.entry.pinned}
+            for model in sources.models]
 
 
 def _by_label(counter: Counter, label: str) -> dict[str, float]:

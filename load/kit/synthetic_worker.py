@@ -57,6 +57,7 @@ class SyntheticWorker:
         self.model = model
         self.faults = faults
         self.root = root or f"/models/{model}"  # vLLM shows the model's directory here
+        self.max_model_len = MAX_MODEL_LEN  # its window, as vLLM's --max-model-len
         self.running = 0
         self.tokenized = 0
         self.counted: list[dict[str, Any]] = []  # /tokenize payloads, in order
@@ -98,12 +99,12 @@ class SyntheticWorker:
             await _json(send, 200, {"object": "list", "data": [{"id": self.model,
                                                                "object": "model",
                                                                "root": self.root, "parent": None,
-                                                               "max_model_len": MAX_MODEL_LEN}]})
+                                                               "max_model_len": self.max_model_len}]})
         elif path == "/tokenize":
             self.tokenized += 1
             self.counted.append(json.loads(body or b"{}"))
             count = _prompt_tokens(self.counted[-1])
-            await _json(send, 200, {"count": count, "max_model_len": MAX_MODEL_LEN,
+            await _json(send, 200, {"count": count, "max_model_len": self.max_model_len,
                                     "tokens": [1000 + i for i in range(count)],
                                     "token_strs": None})
         elif path in ("/metrics", "/metrics/"):
@@ -143,7 +144,7 @@ class SyntheticWorker:
     async def _small(self, path: str, scope: Scope, request: dict[str, Any], send: Any) -> None:
         """The routes that generate nothing: renders, counts, stored responses, the version."""
         if path == "/v1/responses/render":  # as vLLM: it checks the budget as generating does
-            if (request.get("max_output_tokens") or 0) > MAX_MODEL_LEN:
+            if (request.get("max_output_tokens") or 0) > self.max_model_len:
                 await _json(send, 400, {"error": {"message": "max_output_tokens too large"}})
             else:
                 await _json(send, 200, {"token_ids": [1] * _prompt_tokens(request)})
@@ -175,14 +176,15 @@ class SyntheticWorker:
         prompt = _prompt_tokens(request)
         # As vLLM 0.32: a budget above the window is refused; one the room cannot hold is
         # silently cut to the room.
-        if isinstance(budget, int) and (budget > MAX_MODEL_LEN or prompt >= MAX_MODEL_LEN):
+        window = self.max_model_len
+        if isinstance(budget, int) and (budget > window or prompt >= window):
             await _json(send, 400, {"error": {
                 "message": f"max_tokens={budget} cannot be greater than "
-                           f"max_model_len={MAX_MODEL_LEN}. Please request fewer output tokens.",
+                           f"max_model_len={window}. Please request fewer output tokens.",
                 "type": "BadRequestError", "param": "max_tokens", "code": 400}})
             return
         if isinstance(budget, int):
-            budget = min(budget, MAX_MODEL_LEN - prompt)
+            budget = min(budget, window - prompt)
         count = min(self.tokens, budget if isinstance(budget, int) and budget > 0 else self.tokens)
         self.running += 1
         try:

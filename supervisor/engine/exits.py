@@ -20,11 +20,17 @@ class ExitReason(enum.StrEnum):
     STARTUP_TIMEOUT = "startup_timeout"
     SPAWN_FAILED = "spawn_failed"
     STOPPED = "stopped"  # the supervisor asked for it
+    UNLOADED = "unloaded"  # residency gave its memory back (idle, or another model's turn)
 
     @property
     def restartable(self) -> bool:
         """Whether starting a new worker may cure it."""
-        return self not in (ExitReason.GPU_FATAL, ExitReason.STOPPED)
+        return self not in (ExitReason.GPU_FATAL, ExitReason.STOPPED, ExitReason.UNLOADED)
+
+    @property
+    def asked(self) -> bool:
+        """The supervisor ended the worker on purpose: not a fault (no bundle, no restart)."""
+        return self in (ExitReason.STOPPED, ExitReason.UNLOADED)
 
 
 @dataclass(frozen=True)

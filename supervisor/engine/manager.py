@@ -1,8 +1,9 @@
 """The engine manager: spawn, watch, declare dead, stop, back off, restart; the state machine.
 
 starting → ready → stopping → backoff → starting …, `failed` after a crash loop (N restarts in
-a window) or a lost GPU, `draining` then `stopped` on shutdown. What declares a worker dead:
-its exit (seen at once), or the first monitor (supervisor/monitors/) that returns a cause.
+a window) or a lost GPU, `draining` then `stopped` on shutdown, `unloaded` while residency
+(supervisor.engine.residency) wants no worker. What declares a worker dead: its exit (seen at
+once), or the first monitor (supervisor/monitors/) that returns a cause.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -22,44 +23,11 @@ from appliance.core.engine import EngineState, Waiting
 from appliance.core.settings import Settings
 from supervisor.engine.backoff import Backoff, CrashLoop
 from supervisor.engine.exits import ExitCause, ExitReason, Phase, process_exit
+from supervisor.engine.parts import BootProber, Forensics, GpuMemory, Launcher
 from supervisor.engine.worker import Worker
 from supervisor.monitors import Monitor
 
 log = structlog.get_logger("supervisor.engine.manager")
-
-
-class Launcher(Protocol):
-    async def start(self) -> Worker: ...
-
-
-class BootProber(Protocol):
-    async def healthy(self) -> bool: ...
-
-    async def serving(self) -> bool: ...
-
-    async def canary(self, timeout_s: float) -> bool: ...
-
-
-class GpuMemory(Protocol):
-    def summary(self) -> dict[str, Any]: ...
-
-    async def wait_released(self, pids: set[int], timeout_s: float) -> bool: ...
-
-    async def settle(self) -> str | None: ...
-
-
-class Forensics(Protocol):
-    """Gathers a crash bundle at each death (supervisor.forensics.recorder.Recorder)."""
-
-    last: str | None  # the newest bundle's name
-
-    def lost(self) -> None: ...
-
-    async def before_stop(self, worker: Worker, cause: ExitCause) -> None: ...
-
-    def stopped(self, worker: Worker, cause: ExitCause, stopped_in_s: float) -> None: ...
-
-    def recovered(self, cause: ExitCause) -> None: ...
 
 
 Transition = Callable[[EngineState, EngineState, str], None]
@@ -82,6 +50,7 @@ class EngineManager:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
+        loaded: bool = True,
     ) -> None:
         self._settings = settings
         self._sup = sup = settings.supervisor
@@ -104,6 +73,8 @@ class EngineManager:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()  # set, and replaced, at each change of state
         self._stop_requested = False
+        # Residency wants a worker for this model (starting, serving or restarting), or none.
+        self.loaded = loaded
         self._draining = False
         self._started_at = clock()
         self._ready_since: float | None = None
@@ -223,6 +194,16 @@ class EngineManager:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
+    def load(self) -> None:
+        """Start a worker for the model (from `unloaded`); a no-op if one is wanted already."""
+        self.loaded = True
+        self._wake.set()
+
+    def unload(self) -> None:
+        """No worker until load(): its memory given back (residency: when nothing is in flight)."""
+        self.loaded = False
+        self._wake.set()
+
     def request_stop(self) -> None:
         self._stop_requested = True
         self._wake.set()
@@ -236,12 +217,17 @@ class EngineManager:
     async def run(self) -> None:
         """Keep a worker serving until request_stop(); returns once the worker is stopped."""
         while not self._stop_requested:
+            if not self.loaded:
+                await self._hold_unloaded()
+                continue
             if self._crash_loop.tripped(self._clock()):
                 await self._hold_failed(self._crash_loop.clears_at())
                 continue
             cause = await self._run_worker()
             if self.stop_requested:  # the property: a stop may come while the worker ran
                 break
+            if cause.reason is ExitReason.UNLOADED:
+                continue
             if not cause.reason.restartable:
                 await self._hold_failed(None)
                 continue
@@ -314,6 +300,8 @@ class EngineManager:
                 return process_exit(worker.returncode, "boot")
             if self._stop_requested:
                 return ExitCause("boot", ExitReason.STOPPED, "stop requested while starting")
+            if not self.loaded:
+                return ExitCause("boot", ExitReason.UNLOADED, "unloaded while starting")
             if self._clock() >= deadline:
                 return ExitCause("boot", ExitReason.STARTUP_TIMEOUT,
                                  f"not ready after {self._sup.startup_timeout_s:.0f}s")
@@ -333,6 +321,8 @@ class EngineManager:
                 return process_exit(worker.returncode, "running")
             if self._stop_requested:
                 return ExitCause("running", ExitReason.STOPPED, "stop requested")
+            if not self.loaded:
+                return ExitCause("running", ExitReason.UNLOADED, "unloaded by residency")
             for monitor in self._monitors:
                 cause = await monitor.check(worker)
                 if cause is not None:
@@ -360,7 +350,7 @@ class EngineManager:
     def _record(self, cause: ExitCause) -> ExitCause:
         self._remember(self._serial, cause)
         event = "engine.boot_failed" if cause.phase == "boot" else "engine.exited"
-        if cause.reason is ExitReason.STOPPED:
+        if cause.reason.asked:
             log.info(event, reason=cause.reason.value, detail=cause.detail)
         else:
             log.error(event, reason=cause.reason.value, detail=cause.detail, restarts=self.restarts)
@@ -404,13 +394,22 @@ class EngineManager:
 
     # --- waiting and states -----------------------------------------------------------------
 
+    async def _hold_unloaded(self) -> None:
+        """`unloaded`: no worker until load() (or a stop)."""
+        self._retry_at = None
+        self._recovery = None
+        self._set_state(EngineState.UNLOADED, "unloaded by residency")
+        while not self._stop_requested and not self.loaded:
+            await self._nap(60.0)
+
     async def _hold_failed(self, until: float | None) -> None:
         """`failed`: no restart until the crash-loop window clears (or never, for a dead GPU)."""
         self._retry_at = until
         self._recovery = None
         detail = self._last_exit.detail if self._last_exit else "crash loop"
         self._set_state(EngineState.FAILED, detail)
-        while not self._stop_requested and (until is None or self._clock() < until):
+        while not self._stop_requested and self.loaded and (
+                until is None or self._clock() < until):
             await self._nap(60.0 if until is None else max(0.0, until - self._clock()))
         self._backoff.reset()
 

@@ -41,7 +41,7 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
     args = [
         str(engine.python), "-m", SERVER_MODULE,
         Flag.MODEL, engine.model,
-        Flag.SERVED_MODEL_NAME, engine.model_name,
+        Flag.SERVED_MODEL_NAME, engine.model_name, *engine.served_model_aliases,
         *listen_flags(engine),
         Flag.DTYPE, engine.dtype or ("float32" if cpu else "auto"),
     ]
@@ -65,6 +65,8 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
         args += [Flag.ENABLE_AUTO_TOOL_CHOICE, Flag.TOOL_CALL_PARSER, engine.tool_call_parser]
     if engine.reasoning_parser:
         args += [Flag.REASONING_PARSER, engine.reasoning_parser]
+    if engine.chat_template is not None:
+        args += [Flag.CHAT_TEMPLATE, str(engine.chat_template)]
     if engine.trust_remote_code:
         args.append(Flag.TRUST_REMOTE_CODE)
     # Defence in depth behind the gate's SSRF check: vLLM itself fetches only from these hosts

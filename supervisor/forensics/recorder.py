@@ -63,7 +63,7 @@ class Recorder:
     def stopped(self, worker: Worker, cause: ExitCause, stopped_in_s: float) -> None:
         in_flight, stacks = self._in_flight or [], self._stacks
         self._in_flight, self._stacks, self._written = None, None, None
-        if cause.reason is ExitReason.STOPPED:
+        if cause.reason.asked:
             return
         if self._deaths is not None:
             self._deaths([entry["fingerprint"] for entry in in_flight])

@@ -40,36 +40,45 @@ class EngineReading(Protocol):
     stats: EngineStats | None
 
 
-class LoadSignals(Collector):
-    """`queued`: requests waiting in the appliance's admission for a slot. `owed`: requests the
-    appliance sent to the worker and holds unanswered (while no worker serves, they wait)."""
+Served = tuple[EngineSide, EngineReading, Callable[[], int]]  # a model's engine, reading, owed
 
-    def __init__(self, engine: EngineSide, reading: EngineReading,
-                 queued: Callable[[], int], owed: Callable[[], int]) -> None:
-        self._engine = engine
-        self._reading = reading
+
+class LoadSignals(Collector):
+    """One series per model of the catalog, each labelled with its served name. For each: its
+    engine, the worker's last reading, and `owed`, the requests the appliance sent to that
+    worker and holds unanswered (while no worker serves, they wait). `queued`: requests waiting
+    in the appliance's admission for a slot, which is the box's, not a model's: counted once,
+    with the first (the default) model."""
+
+    def __init__(self, models: list[Served], queued: Callable[[], int]) -> None:
+        self._models = models
         self._queued = queued
-        self._owed = owed
 
     def collect(self) -> Iterator[Metric]:
-        serving = self._engine.state in _SERVING
-        stats = self._reading.stats if serving else None
-        running = stats.running if stats is not None else 0.0
-        waiting = stats.waiting if stats is not None else 0.0
-        if not serving:
-            waiting = float(self._owed())  # held for the next worker: nothing runs them now
-        waiting += self._queued()
-        kv = stats.kv_cache_usage if stats is not None else 0.0
-        labels = [self._engine.model_name, ENGINE_INDEX]
-        yield _gauge(VllmMetric.REQUESTS_RUNNING, "Number of requests in model execution "
-                     "batches.", labels, running)
-        yield _gauge(VllmMetric.REQUESTS_WAITING, "Number of requests waiting to be processed "
-                     "(the engine's, plus those queued in the appliance).", labels, waiting)
-        yield _gauge(VllmMetric.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.",
-                     labels, kv)
+        families = [
+            GaugeMetricFamily(VllmMetric.REQUESTS_RUNNING, "Number of requests in model "
+                              "execution batches.", labels=LABELS),
+            GaugeMetricFamily(VllmMetric.REQUESTS_WAITING, "Number of requests waiting to be "
+                              "processed (the engine's, plus those queued in the appliance).",
+                              labels=LABELS),
+            GaugeMetricFamily(VllmMetric.KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent "
+                              "usage.", labels=LABELS),
+        ]
+        for index, (engine, reading, owed) in enumerate(self._models):
+            queued = self._queued() if index == 0 else 0
+            for family, value in zip(families, _signals(engine, reading, owed, queued),
+                                     strict=True):
+                family.add_metric([engine.model_name, ENGINE_INDEX], value)
+        yield from families
 
 
-def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=LABELS)
-    family.add_metric(labels, value)
-    return family
+def _signals(engine: EngineSide, reading: EngineReading, owed: Callable[[], int],
+             queued: int) -> tuple[float, float, float]:
+    serving = engine.state in _SERVING
+    stats = reading.stats if serving else None
+    running = stats.running if stats is not None else 0.0
+    waiting = stats.waiting if stats is not None else 0.0
+    if not serving:
+        waiting = float(owed())  # held for the next worker: nothing runs them now
+    kv = stats.kv_cache_usage if stats is not None else 0.0
+    return running, waiting + queued, kv

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from appliance.core.catalog import Catalog
+from appliance.core.sections import EngineSettings
 from appliance.core.settings import Settings
 from supervisor.doctor import all_checks
 from supervisor.selftest.canary import CanaryStore
@@ -33,9 +35,10 @@ def selftest(args: argparse.Namespace, settings: Settings) -> int:
               file=sys.stderr)
         return EXIT_REFUSED
     if args.record_canary:
-        forgotten = CanaryStore(settings.canary.resolved_file()).forget(settings.engine.model)
-        print(f"canary: {forgotten} record(s) of {settings.engine.model} forgotten; the next "
-              "worker start records them again", file=sys.stderr)
+        model = _default_engine(settings).model
+        forgotten = CanaryStore(settings.canary.resolved_file()).forget(model)
+        print(f"canary: {forgotten} record(s) of {model} forgotten; the next worker start "
+              "records them again", file=sys.stderr)
     findings = all_checks()  # before an instance of its own holds ports and memory
     started = time.monotonic()
     if running:
@@ -75,8 +78,14 @@ def _nothing_left(instance: Instance) -> Check:
 
 
 def _target(url: str, settings: Settings, key: str | None, verify: Any) -> Target:
-    return Target.connect(url, key, settings.engine.model_name, settings.policy.max_n,
+    return Target.connect(url, key, _default_engine(settings).model_name, settings.policy.max_n,
                           min(settings.supervisor.startup_timeout_s, 600.0), verify)
+
+
+def _default_engine(settings: Settings) -> EngineSettings:
+    """The default model's worker settings: the selftest proves the model that answers a
+    request naming none (with a catalog, its default)."""
+    return Catalog.from_settings(settings).default.engine
 
 
 def _first_key(settings: Settings) -> str | None:

@@ -18,6 +18,7 @@ import pytest
 
 from load.kit.appliance import TREE_MARKER, Appliance, marked, require_engine, running_appliance
 from load.kit.isolation import clean_env
+from tests.metrics_text import samples, value
 
 pytestmark = pytest.mark.long  # two whole self-test runs, about a minute: `pytest -m long`
 
@@ -99,5 +100,7 @@ def test_a_changed_record_fails_the_selftest_and_the_status_says_why(tmp_path: P
         assert "prompt 0 gave" in page["detail"] and "recorded" in page["detail"]
         assert appliance.health().status_code == 200  # an alert, not a box taken down
         metrics = httpx.get(f"{appliance.url}/metrics", timeout=5).text
-        assert "appliance_canary_ok 0.0" in metrics
+        assert value(metrics, "appliance_canary_ok") == 0
+        assert any(name == "appliance_canary_ok" and dict(labels).get("model")
+                   for name, labels in samples(metrics))  # labelled with its model
         assert appliance.wait_for_event(lambda e: e.get("event") == "engine.canary_mismatch")

@@ -77,6 +77,9 @@ def test_a_gpu_and_a_failed_engine_are_drawn_from_status_json(served: str,
             assert shown in gpu, (shown, gpu)
         assert "no restart" in page.text("exits") and "gpu_fatal" in page.text("exits")
         assert page.text("supervisor-uptime") == "1h 02m"
+        models = page.text("models")  # a row per model: here the one, the default
+        assert Settings().engine.model_name in models and "failed" in models
+        assert "default, pinned" in models
         assert page.text("quarantined").startswith("1: 0123456789abcdef (2 deaths, refused 0")
         assert not page.by_id("send").is_enabled()
         assert page.text("engine-canary") == "MISMATCH: " + CANARY["detail"]

@@ -29,6 +29,7 @@ _STORE_NOTE = ("Stored responses live in the engine worker's memory: they are lo
 @dataclass(frozen=True)
 class _Made:
     owner: str  # the client's name
+    engine: EngineView  # the model's engine that served it (each model its own worker)
     pid: int | None  # the worker that served it
 
 
@@ -53,13 +54,16 @@ class ResponseIds:
                              "the appliance names the response.", param="request_id",
                              code="request_id_taken", reason="request_id_taken")
 
-    def created(self, response_id: str, owner: str, *, stored: bool) -> None:
+    def created(self, response_id: str, owner: str, *, stored: bool,
+                engine: EngineView | None = None) -> None:
         """`owner`'s admitted request makes a response under this id, with the worker serving
-        now (claimed again: another client may have taken the id while this one waited)."""
+        now (claimed again: another client may have taken the id while this one waited);
+        `engine`: the engine of the model it went to (None: the default model's)."""
         self.claim(response_id, owner)
         if not stored:
             return
-        self._made[response_id] = _Made(owner, self._engine.pid)
+        engine = engine or self._engine
+        self._made[response_id] = _Made(owner, engine, engine.pid)
         owned = self._owned.setdefault(owner, OrderedDict())
         owned[response_id] = None
         owned.move_to_end(response_id)
@@ -73,11 +77,17 @@ class ResponseIds:
         if made is None or made.owner != owner:
             raise _not_found(response_id, param)
 
+    def engine_of(self, response_id: str) -> EngineView | None:
+        """The engine that stored the response (its model's), if the id is known."""
+        made = self._made.get(response_id)
+        return made.engine if made is not None else None
+
     def explain(self, error: ApiError, response_id: str | None, param: str) -> ApiError:
         """The worker's 404 for `response_id`, saying whether a restart lost it."""
         if error.status != 404 or not response_id:
             return error
-        made, now = self._made.get(response_id), self._engine.pid
+        made = self._made.get(response_id)
+        now = made.engine.pid if made is not None else self._engine.pid
         if made is not None and made.pid != now:
             return NotFound(
                 f"Response '{response_id}' was stored by the engine worker pid {made.pid}, "

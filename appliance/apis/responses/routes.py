@@ -17,6 +17,7 @@ from appliance.apis.responses.response_ids import ResponseIds
 from appliance.core.errors import BadRequest
 from appliance.gate.gate import Vetted
 from appliance.proxy.outbound import PassThrough
+from appliance.proxy.request import RelayDeps
 from appliance.routes.generation import RouteDeps, generation, relay_for
 from appliance.routes.guards import client_of
 from appliance.routes.handlers import get, post
@@ -30,7 +31,7 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
     relay, background = deps.relay, deps.policy.allow_background_responses
     ids = ResponseIds(relay.engine, deps.policy.max_tracked_responses)
 
-    def prepare(vetted: Vetted) -> None:
+    def prepare(vetted: Vetted, routed: RelayDeps) -> None:
         body, owner = vetted.payload, vetted.client.name
         previous = body.get("previous_response_id")
         if isinstance(previous, str):
@@ -38,8 +39,14 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
         response_id, stored = body["request_id"], body.get("store") is not False
         ids.claim(response_id, owner)
         # Recorded once admitted: a refused request must not push anyone's ids out.
-        vetted.admitted = lambda: ids.created(response_id, owner, stored=stored)
+        vetted.admitted = lambda: ids.created(response_id, owner, stored=stored,
+                                              engine=routed.engine)
         vetted.refine = lambda error: ids.explain(error, previous, "previous_response_id")
+
+    def keeper(response_id: str) -> RelayDeps:
+        """The relay of the model whose worker stored the response (reached: the id is known)."""
+        engine = ids.engine_of(response_id)
+        return deps.models.serving(engine).relay if engine is not None else relay
 
     def stored(request: Request[Any, Any, Any], route: WorkerRoute, response_id: str,
                method: str, query: str = "", payload: dict[str, Any] | None = None) -> PassThrough:
@@ -55,13 +62,13 @@ def routes(deps: RouteDeps) -> list[HTTPRouteHandler]:
         query = _retrieve_query(stream, starting_after, background)
         payload = {"stream": stream, "request_id": response_id}
         return relay_for(stored(request, RESPONSES_RETRIEVE, response_id, "GET", query, payload),
-                         request, relay)
+                         request, keeper(response_id))
 
     @post("/v1/responses/{response_id:str}/cancel", name=RESPONSES_CANCEL.name, opt=SHAPE,
           status_code=200)
     async def cancel(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ASGIApp:
         return relay_for(stored(request, RESPONSES_CANCEL, response_id, "POST"), request,
-                         relay)
+                         keeper(response_id))
 
     return [generation(RESPONSES_CREATE, deps, prepare), retrieve, cancel]
 

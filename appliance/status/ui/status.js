@@ -66,6 +66,7 @@
     failed: "the engine is not being restarted (a crash loop, or a GPU a restart cannot fix); see the last exits",
     draining: "the appliance is shutting down: requests in flight finish, new ones get 503",
     stopped: "the engine is stopped",
+    unloaded: "the model is not loaded (residency); a request for it loads it",
   };
 
   function setBanner(state, lastExit) {
@@ -111,6 +112,7 @@
     renderRequests(doc.requests);
     renderGpu(engine.gpu || {});
     renderRecent(doc.recent);
+    renderModels(doc.models || []);
     renderExits(engine.recent_exits || (engine.last_exit ? [engine.last_exit] : []), engine.state);
     if (engine.state === "ready" && engineState !== "ready") loadModels();
     engineState = engine.state;
@@ -191,6 +193,17 @@
       + " (averaged over " + recent.window_s + " s at each point)";
     drawChart($("chart-tokens"), series.t, series.tokens_per_s, { colour: "#2f6fdf", label: String, span: duration });
     drawChart($("chart-ttft"), series.t, series.ttft_s, { colour: "#d98e04", label: latency, span: duration });
+  }
+
+  function renderModels(models) {
+    const rows = models.map((model) => {
+      const row = document.createElement("tr");
+      const role = [model.default ? "default" : "", model.pinned ? "pinned" : ""].filter(Boolean).join(", ");
+      for (const text of [model.name, (model.aliases || []).join(", "), model.state, model.pid ?? "–",
+        model.restarts, role || "–"]) row.append(element("td", String(text)));
+      return row;
+    });
+    $("models").tBodies[0].replaceChildren(...rows);
   }
 
   function renderExits(exits, state) {

@@ -122,18 +122,24 @@ def test_every_setting_is_documented_in_the_example_with_its_default() -> None:
     sections: dict[str, dict[str, object]] = {}
     current = ""
     for line in example.read_text().splitlines():
-        if line.startswith("[") and line.rstrip().endswith("]"):
-            current = line.strip("[] \n")
+        if line.removeprefix("# ").startswith("[") and line.rstrip().endswith("]"):
+            current = line.removeprefix("# ").strip("[] \n")  # "# [models.<name>]" documented
             sections[current] = {}
         elif line.startswith("# ") and " = " in line and current:
             key, _, value = line[2:].partition(" = ")
             if key.isidentifier():
                 parsed = tomllib.loads(f"v = {value.split('  #')[0]}")["v"]
                 sections[current].setdefault(key, parsed)
+    from appliance.core.catalog import ModelSettings
+
     defaults = Settings().model_dump(mode="json")
     for group, fields in Settings.model_fields.items():
         model = fields.annotation
         assert model is not None
+        if group == "models":  # a table per model: each key documented under [models.<name>]
+            for name in ModelSettings.model_fields:
+                assert name in sections.get("models.<name>", {}), f"[models.<name>] {name}"
+            continue
         for name in model.model_fields:  # type: ignore[union-attr]
             assert name in sections.get(group, {}), f"[{group}] {name} is not in {example.name}"
             default = defaults[group][name]

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.core.engine import EngineState
 from appliance.core.sections import CanarySettings, EngineSettings
-from supervisor.observe.collector import SupervisorCollector
+from supervisor.observe.collector import ObservedModel, SupervisorCollector
 from supervisor.selftest.canary import (
     PROMPTS,
     Answers,
@@ -149,8 +149,8 @@ async def test_watch_judges_each_ready_worker_and_exports_the_verdict(tmp_path: 
                         lambda: next(pids))
     assert watch.summary() is None
     registry = CollectorRegistry()
-    registry.register(SupervisorCollector(FakeManager(), FakeProgress(), None,  # type: ignore[arg-type]
-                                          watch))
+    registry.register(SupervisorCollector(
+        [ObservedModel("smol", FakeManager(), FakeProgress(), watch)], None))  # type: ignore[arg-type]
     assert "appliance_canary_ok" not in generate_latest(registry).decode()  # not judged yet
     watch.on_state(EngineState.STARTING, EngineState.READY, "serving")
     await asyncio.sleep(0.05)

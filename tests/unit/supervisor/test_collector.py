@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from appliance.core.engine import EngineState
 from supervisor.engine.stats import EngineStats, parse_engine_stats
-from supervisor.observe.collector import SupervisorCollector
+from supervisor.observe.collector import ObservedModel, SupervisorCollector
 from tests.metrics_text import value
 
 
@@ -32,7 +32,8 @@ class FakeGpu:
 
 def scrape(manager: FakeManager, progress: FakeProgress, gpu: FakeGpu | None = None) -> str:
     registry = CollectorRegistry()
-    registry.register(SupervisorCollector(manager, progress, gpu))  # type: ignore[arg-type]
+    registry.register(SupervisorCollector([ObservedModel("smol", manager, progress)],  # type: ignore[arg-type]
+                                          gpu))
     return generate_latest(registry).decode()
 
 
@@ -72,3 +73,21 @@ def test_engine_stats_are_summed_across_labels() -> None:
     stats = parse_engine_stats(text)
     assert (stats.running, stats.kv_cache_usage, stats.waiting) == (3.0, 0.25, 0.0)
     assert stats.busy and stats.progress == (7.0, 0.0, 0.0, 0.0)
+
+
+def test_each_model_is_its_own_series() -> None:
+    """Two models: each state, restart count and reading under its own `model` label."""
+    smol = FakeManager(restart_counts=Counter({"exited": 1}))
+    gemma = FakeManager(state=EngineState.BACKOFF, restart_counts=Counter({"hung": 3}))
+    registry = CollectorRegistry()
+    registry.register(SupervisorCollector([
+        ObservedModel("smol", smol, FakeProgress(EngineStats(running=2))),  # type: ignore[arg-type]
+        ObservedModel("gemma", gemma, FakeProgress(EngineStats(running=5))),  # type: ignore[arg-type]
+    ], None))
+    text = generate_latest(registry).decode()
+    assert value(text, "appliance_engine_state", model="smol", state="ready") == 1
+    assert value(text, "appliance_engine_state", model="gemma", state="backoff") == 1
+    assert value(text, "appliance_engine_restarts_total", model="smol") == 1
+    assert value(text, "appliance_engine_restarts_total", model="gemma", cause="hung") == 3
+    assert value(text, "appliance_engine_requests_running", model="smol") == 2
+    assert value(text, "appliance_engine_requests_running", model="gemma") == 0  # not ready

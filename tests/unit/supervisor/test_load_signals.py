@@ -38,7 +38,7 @@ class Counts:
 
 def scrape(engine: FakeEngine, reading: FakeReading, counts: Counts) -> str:
     registry = CollectorRegistry()
-    registry.register(LoadSignals(engine, reading, lambda: counts.queued, lambda: counts.owed))
+    registry.register(LoadSignals([(engine, reading, lambda: counts.owed)], lambda: counts.queued))
     return generate_latest(registry).decode()
 
 
@@ -87,3 +87,17 @@ def test_no_worker_serving_nothing_runs_and_what_it_holds_waits() -> None:
     assert {name: v for (name, _), v in samples(text).items()} == {
         "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 5.0,
         "vllm:kv_cache_usage_perc": 0.0}
+
+
+def test_each_model_is_a_series_and_the_admission_queue_is_counted_once() -> None:
+    """Two models: each its served name's series; the box's queue only with the default."""
+    registry = CollectorRegistry()
+    registry.register(LoadSignals([
+        (FakeEngine(model_name="smol"), FakeReading(EngineStats(running=1, waiting=1)), lambda: 0),
+        (FakeEngine(EngineState.BACKOFF, "gemma"), FakeReading(EngineStats(running=9)), lambda: 2),
+    ], lambda: 3))
+    text = generate_latest(registry).decode()
+    assert value(text, "vllm:num_requests_running", model_name="smol") == 1
+    assert value(text, "vllm:num_requests_waiting", model_name="smol") == 1 + 3
+    assert value(text, "vllm:num_requests_running", model_name="gemma") == 0
+    assert value(text, "vllm:num_requests_waiting", model_name="gemma") == 2

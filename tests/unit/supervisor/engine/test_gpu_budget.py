@@ -17,8 +17,9 @@ from supervisor.engine.gpu_budget import (
     plan,
     read_model_shape,
 )
+from supervisor.engine.stack import worker_settings
 from supervisor.engine.worker import build_command
-from supervisor.serve import size_gpu_reservation, worker_settings
+from supervisor.serve import size_gpu_reservation
 
 H200 = GpuMemory(total_bytes=int(139.8 * GIB), free_bytes=int(139.2 * GIB))
 

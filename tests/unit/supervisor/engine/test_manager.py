@@ -574,3 +574,40 @@ async def test_a_drain_holds_through_a_restart_the_new_worker_never_reads_ready(
     manager.request_stop()
     await task
     assert manager.state is EngineState.STOPPED
+
+
+async def test_unload_stops_the_worker_without_a_restart_and_load_starts_one() -> None:
+    """Residency's unload is no fault: no restart counted, no backoff, state unloaded until
+    load() starts a fresh worker."""
+    clock, launcher = FakeClock(), FakeLauncher()
+    manager = make_manager(launcher, clock)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.READY)
+    lost: list[str] = []
+    manager.on_lost(lambda: lost.append("lost"))
+    manager.unload()
+    await until(lambda: manager.state is EngineState.UNLOADED)
+    assert launcher.current.stopped_with == manager._sup.stop_grace_s and lost == ["lost"]
+    assert (manager.restarts, manager.pid is None or manager.pid == 100) == (0, True)
+    assert manager.snapshot()["last_exit"]["reason"] == "unloaded"
+    assert len(launcher.workers) == 1  # nothing started while unloaded
+    manager.load()
+    await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
+    assert manager.restarts == 0
+    manager.request_stop()
+    await task
+
+
+async def test_a_model_not_loaded_at_start_waits_for_its_load() -> None:
+    clock, launcher = FakeClock(), FakeLauncher()
+    settings = Settings(supervisor={"backoff_jitter": 0})
+    prober = FakeProber(launcher)
+    manager = EngineManager(settings, launcher, prober, [], clock=clock,  # type: ignore[arg-type]
+                            sleep=clock.sleep, loaded=False)
+    task = asyncio.create_task(manager.run())
+    await until(lambda: manager.state is EngineState.UNLOADED)
+    assert launcher.workers == []
+    manager.load()
+    await until(lambda: manager.state is EngineState.READY)
+    manager.request_stop()
+    await task

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from appliance.core.settings import Settings
+from supervisor.engine.stack import worker_settings
 from supervisor.engine.worker import build_command, build_env
-from supervisor.serve import worker_settings
 
 FLAG = ["--scheduling-policy", "priority"]
 
