@@ -33,7 +33,7 @@ def test_drain_stops_taking_work_finishes_the_stream_and_exits_0(tmp_path: Path)
         assert {pid, template} <= {p.pid for p in appliance.tree()}
         assert httpx.get(f"{appliance.url}/readyz", timeout=5).status_code == 200
         reader, lines = long_stream(appliance, [{"role": "user", "content": "Count to a thousand."}],
-                                    timeout_s=DRAIN_BOUND_S, max_tokens=250)
+                                    timeout_s=DRAIN_BOUND_S, max_tokens=150)
 
         command = subprocess.run([sys.executable, "-m", "supervisor.main", "drain",
                                   "--socket", str(control)], env=clean_env(),

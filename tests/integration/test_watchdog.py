@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from load.kit.appliance import Appliance, running_appliance, worker_tree
 
@@ -148,6 +149,7 @@ def test_sigterm_drains_a_stream_then_exits_0_and_notifies_systemd(tmp_path: Pat
     assert sent.index("READY=1") < sent.index("STOPPING=1")
 
 
+@pytest.mark.long  # an appliance of its own for a 1,500-token stream cut short: about 25 s
 def test_second_signal_forces_the_stop(tmp_path: Path) -> None:
     with running_appliance(tmp_path, supervisor__drain_timeout_s="300") as appliance:
         pid = int(appliance.wait_ready()["pid"])

@@ -17,6 +17,8 @@ from tests.unit.appliance.edge.limits import CUT_OFF_S, FD_SLACK, RSS_GROWTH_MIB
 
 RUN_LIMIT_S = 240
 
+pytestmark = pytest.mark.long  # every attack held, then settled: about 45 s
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
