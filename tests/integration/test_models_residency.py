@@ -25,8 +25,8 @@ from tests.metrics_text import value
 pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 KEEP_ALIVE_S = 8.0
-REQUESTS = 16
-IN_FLIGHT = 4
+REQUESTS = 50  # the issue: 50 alternating requests, up to 8 in flight, only one model loaded
+IN_FLIGHT = 8
 
 
 @pytest.fixture(scope="module")
