@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NamedTuple
 
 from appliance.admission.accounts import Account
@@ -94,28 +94,34 @@ class Admission:
                    admitted: Callable[[], None] | None = None) -> AsyncIterator[Meter]:
         """Hold `sequences` slots for the block; it yields the meter the request's usage is
         counted on. `admitted` runs once they are held (what a request records only then)."""
+        with self.reserved(client, sequences):
+            await self._take(client, sequences)
+            self.admitted += 1
+            meter = Meter(client.tokens_per_minute is not None, prompt_bytes)
+            started = self._clock()
+            try:
+                if admitted is not None:
+                    admitted()
+                yield meter
+            finally:
+                self._give_back(sequences)
+                now = self._clock()
+                self.mean_hold_s += _HOLD_WEIGHT * (now - started - self.mean_hold_s)
+                if meter.enabled:
+                    self._accounts[client.name].charge(client, meter.tokens(), now)
+
+    @contextlib.contextmanager
+    def reserved(self, client: Client, sequences: int = 1) -> Iterator[None]:
+        """The client's sequences held while its request waits before admission (for its
+        model's load): its limits checked (429 at once) and the wait counted against them, as
+        a place in the admission queue is, so no client fills a queue beyond its own limits."""
         account = self._accounts.setdefault(client.name, Account())
         account.check(client, self._clock(), self.mean_hold_s, sequences)
         account.held += sequences
         try:
-            await self._take(client, sequences)
-        except BaseException:
-            account.held -= sequences
-            raise
-        self.admitted += 1
-        meter = Meter(client.tokens_per_minute is not None, prompt_bytes)
-        started = self._clock()
-        try:
-            if admitted is not None:
-                admitted()
-            yield meter
+            yield
         finally:
-            self._give_back(sequences)
             account.held -= sequences
-            now = self._clock()
-            self.mean_hold_s += _HOLD_WEIGHT * (now - started - self.mean_hold_s)
-            if meter.enabled:
-                account.charge(client, meter.tokens(), now)
 
     def retry_after_s(self) -> int:
         """When a request sent now would likely be admitted: the queue ahead, slot by slot."""

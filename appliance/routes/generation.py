@@ -54,7 +54,7 @@ def generation(api: GenerationApi, deps: RouteDeps,
         vetted = await relay.gate.vet(raw, api, client_of(request))
         if prepare is not None:
             prepare(vetted, relay)
-        return await deps.models.leased(model, relay_for(vetted, request, relay))
+        return await deps.models.leased(model, vetted, relay_for(vetted, request, relay))
 
     return post(api.path, name=api.name, opt={"shape": api.shape}, status_code=200)(handle)
 

@@ -25,6 +25,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from appliance.core.catalog import CatalogEntry
 from appliance.core.engine import EngineState, EngineView, Residency
 from appliance.core.errors import EngineUnavailable, NotFound
+from appliance.gate.gate import Vetted
 from appliance.proxy.request import RelayDeps
 
 
@@ -101,12 +102,14 @@ class ServedModels:
             raise model_unavailable(model)
         return model
 
-    async def leased(self, model: ServedModel, app: ASGIApp) -> ASGIApp:
+    async def leased(self, model: ServedModel, vetted: Vetted, app: ASGIApp) -> ASGIApp:
         """`app` (the request's relay) holding its model loaded for its whole life; with
-        residency, once the model is loaded (the request waits for it here)."""
+        residency, once the model is loaded (the request waits for it here, counted against
+        its client's limits as a request waiting for a slot is)."""
         if self.residency is None:
             return app
-        release = await self.residency.acquire(model.name)
+        with model.relay.admission.reserved(vetted.client, vetted.sequences):
+            release = await self.residency.acquire(model.name)
         return _Leased(app, release)
 
     # --- readiness --------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def invocations(deps: RouteDeps) -> HTTPRouteHandler:
                              code="unknown_request_shape")
         api = CHAT if body.get("messages") is not None else COMPLETION
         vetted = await relay.gate.vet(raw, api, client_of(request))
-        return await deps.models.leased(model, relay_for(vetted, request, relay))
+        return await deps.models.leased(model, vetted, relay_for(vetted, request, relay))
 
     return handle
 

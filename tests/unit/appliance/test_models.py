@@ -129,7 +129,8 @@ def test_a_bad_catalog_stops_start_up_naming_what_is_wrong(
 @contextlib.asynccontextmanager
 async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: bool | None = None,
                      catalog: bool = True, residency: Any = None,
-                     default_pinned: bool | None = None) -> AsyncIterator[tuple[
+                     default_pinned: bool | None = None,
+                     clients: list[dict[str, Any]] | None = None) -> AsyncIterator[tuple[
                          httpx.AsyncClient, dict[str, SyntheticWorker], dict[str, FakeEngine]]]:
     """The app in front of two synthetic workers: gemma (default, window 1024) and smol
     (window 2048)."""
@@ -149,7 +150,7 @@ async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: boo
             models["smol"]["pinned"] = pinned
         if default_pinned is not None:
             models["gemma"]["pinned"] = default_pinned
-        settings = Settings(models=models if catalog else {})
+        settings = Settings(models=models if catalog else {}, admission={"clients": clients or []})
         app = create_app(settings, engines["gemma"], models=engines if catalog else None,
                          residency=residency)
         port = free_port()
@@ -334,6 +335,41 @@ async def test_with_residency_a_request_waits_for_its_models_load_and_holds_it_t
             "model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]})
         assert full.status_code == 429 and full.headers["retry-after"] == "4"
         assert full.json()["error"]["type"] == "rate_limit_error"  # Anthropic's shape
+
+
+async def test_a_request_waiting_for_its_models_load_counts_against_its_clients_limits() -> None:
+    """A client at its max_inflight cannot fill a model's load queue: its next request is a
+    429 at once naming its limit while the first waits; another client's request waits its turn,
+    and once the wait ends the client may ask again."""
+    residency = FakeResidency()
+    clients = [{"name": "one", "key": "sk-one", "max_inflight": 1},
+               {"name": "other", "key": "sk-other"}]
+    async with two_models(EngineState.UNLOADED, residency=residency, clients=clients) as (
+            client, workers, eng):
+        def ask(key: str) -> Any:
+            return client.post("/v1/chat/completions", json=chat("smol"),
+                               headers={"Authorization": f"Bearer {key}"})
+
+        first = asyncio.ensure_future(ask("sk-one"))
+        await asyncio.sleep(0.2)
+        assert not first.done()
+        try:
+            second = await asyncio.wait_for(ask("sk-one"), 5)  # not held in the queue
+        except TimeoutError:
+            residency.loaded.set()  # a failed check leaves no request waiting forever
+            raise
+        assert second.status_code == 429, second.text
+        assert second.json()["error"]["code"] == "client_max_inflight"
+        assert int(second.headers["retry-after"]) >= 1
+        other = asyncio.ensure_future(ask("sk-other"))
+        await asyncio.sleep(0.2)
+        assert not other.done()
+        eng["smol"].state = EngineState.READY
+        residency.loaded.set()
+        assert (await asyncio.wait_for(first, 5)).status_code == 200
+        assert (await asyncio.wait_for(other, 5)).status_code == 200
+        assert (await ask("sk-one")).status_code == 200
+        assert len(workers["smol"].received) == 3
 
 
 @pytest.mark.parametrize(("default_pinned", "status"), [(None, 503), (True, 503), (False, 200)])
