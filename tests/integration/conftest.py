@@ -1,7 +1,8 @@
 """Integration tests share real appliances: each boot of vLLM costs 15-35 s with its stop.
 
 The modules that need nothing but the default settings share one appliance (`appliance`); those
-that need named clients and nothing else share another (`clients_appliance`, CLIENTS below).
+that need named clients and nothing else share another (`clients_appliance`, CLIENTS below), and
+those that need API keys a third (`keyed_appliance`, KEYS below).
 Their modules run together, and each shared appliance stops after the last test that uses it, so
 that no idle engine is left beside the boots of the modules that follow. A module with settings
 of its own boots its own appliance under its own fixture."""
@@ -53,11 +54,18 @@ CLIENTS: list[dict[str, object]] = [
     {"name": "plain", "key": "sk-plain", "output_constraints": False},
 ]
 
+# The API keys of the modules that share `keyed_appliance` (each module's own key).
+KEYS = ["sk-integration-test-key",  # test_policy, which also fills MAX_INFLIGHT slots
+        "sk-surface-test-key"]  # test_surface
+MAX_INFLIGHT = 4
+
 # Each shared appliance by its fixture's name: its settings. Many kills over many modules: the
 # crash-loop guard is tested on an appliance of its own (test_running_path).
 SHARED: dict[str, dict[str, str]] = {
     "appliance": {"supervisor__crash_loop_restarts": "100"},
     "clients_appliance": {"admission__clients": json.dumps(CLIENTS)},
+    "keyed_appliance": {"server__api_keys": json.dumps(KEYS),
+                        "policy__max_inflight": str(MAX_INFLIGHT)},
 }
 _running: dict[str, tuple[Appliance, contextlib.ExitStack]] = {}
 _last_user: dict[str, str] = {}  # each shared appliance's last test (its node id)
@@ -136,6 +144,12 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Appliance:
 def clients_appliance(tmp_path_factory: pytest.TempPathFactory) -> Appliance:
     """The appliance with CLIENTS, ready, shared by every module that takes it."""
     return _shared("clients_appliance", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def keyed_appliance(tmp_path_factory: pytest.TempPathFactory) -> Appliance:
+    """The appliance with KEYS and MAX_INFLIGHT, ready, shared by every module that takes it."""
+    return _shared("keyed_appliance", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -7,33 +7,26 @@ import base64
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from load.kit.appliance import Appliance, running_appliance
+from load.kit.appliance import Appliance
 from supervisor.engine.stats import parse_engine_stats
+from tests.integration.conftest import KEYS, MAX_INFLIGHT
 from tests.metrics_text import samples
 
-KEY = "sk-integration-test-key"
+KEY = KEYS[0]
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_INFLIGHT = 4
 HI = [{"role": "user", "content": "Say hi."}]
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64).decode()
 
 
 @pytest.fixture(scope="module")
-def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(
-        Path(tmp_path_factory.mktemp("policy")),
-        server__api_keys=f'["{KEY}"]',
-        policy__max_inflight=str(MAX_INFLIGHT),
-    ) as appliance:
-        appliance.wait_ready()
-        yield appliance
+def gated(keyed_appliance: Appliance) -> Appliance:
+    """The appliance with this module's key and MAX_INFLIGHT (shared with test_surface)."""
+    return keyed_appliance
 
 
 def post(appliance: Appliance, body: object, path: str = "/v1/chat/completions",
@@ -85,9 +78,14 @@ def test_huge_max_tokens_is_clamped_not_refused(gated: Appliance) -> None:
 
 
 def test_max_completion_tokens_is_clamped_too(gated: Appliance) -> None:
-    response = post(gated, {"messages": HI, "max_completion_tokens": 50_000, "max_tokens": None})
-    assert response.status_code == 200, response.text
-    assert "applied=" in response.headers["x-max-tokens-clamped"]
+    """The clamp is decided before the engine's first byte: a stream's headers carry it, and
+    leaving after them spares the sampled answer's up to 2,000 tokens."""
+    body = {"messages": HI, "max_completion_tokens": 50_000, "max_tokens": None, "stream": True}
+    with httpx.stream("POST", f"{gated.url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        header = response.headers["x-max-tokens-clamped"]
+    assert header.startswith("requested=50000; applied="), header
 
 
 def test_prompt_longer_than_the_window_is_400(gated: Appliance) -> None:

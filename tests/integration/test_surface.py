@@ -2,7 +2,8 @@
 clients (openai responses, openai-agents' default model, anthropic), each route's policy, the
 disconnect abort on the engine's own metric, and each protocol's ending when the worker dies.
 
-One worker boot for the module; the test that kills the worker runs last."""
+The module shares its boot with test_policy (`keyed_appliance`); the test that kills the worker
+runs last."""
 
 from __future__ import annotations
 
@@ -14,18 +15,17 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from load.kit.appliance import Appliance, running_appliance
+from load.kit.appliance import Appliance
 from supervisor.engine.stats import parse_engine_stats
+from tests.integration.conftest import KEYS
 
-KEY = "sk-surface-test-key"
+KEY = KEYS[1]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64).decode()
 HI = [{"role": "user", "content": "Say hi."}]
@@ -33,11 +33,9 @@ WINDOW = 2048  # the harness's engine.max_model_len
 
 
 @pytest.fixture(scope="module")
-def surface(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    with running_appliance(Path(tmp_path_factory.mktemp("surface")),
-                           server__api_keys=f'["{KEY}"]') as appliance:
-        appliance.wait_ready()
-        yield appliance
+def surface(keyed_appliance: Appliance) -> Appliance:
+    """The appliance with this module's key (shared with test_policy, which runs first)."""
+    return keyed_appliance
 
 
 @pytest.fixture(scope="module")
