@@ -41,10 +41,12 @@ path = "{root}/wide"
 aliases = ["w"]
 tool_call_parser = "hermes"
 reasoning_parser = "deepseek_r1"
+{wide}
 
 [models.narrow]
 path = "{root}/narrow"
 max_model_len = 1024
+{narrow}
 """
 CONFIGS = {WIDE: {"vocab_size": 50_000, "vision_config": {"image_size": 224}},
            NARROW: {"vocab_size": 1_000}}
@@ -71,15 +73,15 @@ class Box:
 
 
 @contextlib.asynccontextmanager
-async def two_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                     policy: str = "") -> AsyncIterator[Box]:
+async def two_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str = "",
+                     wide: str = "", narrow: str = "") -> AsyncIterator[Box]:
     """The app, configured by a TOML catalog, in front of one synthetic worker per model, each
     reporting its own window as vLLM's /v1/models does."""
     for name, config in CONFIGS.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     path = tmp_path / "config.toml"
-    path.write_text(CATALOG.format(root=tmp_path, policy=policy))
+    path.write_text(CATALOG.format(root=tmp_path, policy=policy, wide=wide, narrow=narrow))
     monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(path))
     settings = load_settings()
     workers = {name: SyntheticWorker(4, 0.0, name) for name in MODELS}
@@ -228,6 +230,25 @@ async def test_the_media_guard_uses_each_models_own_modalities(
         narrow = await box.post(path, IMAGE_BODIES[path] | {"model": NARROW})
         assert "accepts text only" in refused(narrow, path, "multimodal_not_supported")
         assert box.asked() == before
+
+
+@pytest.mark.parametrize(("policy", "wide", "narrow", "status"), [
+    ('multimodal = "on"', "", "", {WIDE: 200, NARROW: 200}),  # [policy]'s: every model's
+    ('multimodal = "on"', "", 'multimodal = "auto"', {WIDE: 200, NARROW: 400}),
+    ("", 'multimodal = "off"', "", {WIDE: 400, NARROW: 400}),
+    ('multimodal = "off"', 'multimodal = "on"', "", {WIDE: 200, NARROW: 400}),
+])
+async def test_a_models_own_multimodal_setting_is_its_media_guard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str, wide: str, narrow: str,
+        status: dict[str, int]) -> None:
+    """models.<name>.multimodal over policy.multimodal, for that model alone."""
+    path = "/v1/chat/completions"
+    async with two_models(tmp_path, monkeypatch, policy, wide, narrow) as box:
+        for model in MODELS:
+            answer = await box.post(path, IMAGE_BODIES[path] | {"model": model})
+            assert answer.status_code == status[model], (model, answer.text)
+            if status[model] == 400:
+                refused(answer, path, "multimodal_not_supported")
 
 
 async def test_the_media_limits_hold_on_the_model_that_takes_media(
