@@ -4,6 +4,7 @@ model it names, refused in its route's error shape before any worker is asked.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from appliance.app import create_app
 from appliance.core.settings import load_settings
 from load.kit.net import free_port
 from load.kit.synthetic_worker import SyntheticWorker
-from tests.unit.appliance.fakes import FakeEngine, serving
+from tests.unit.appliance.fakes import FakeEngine, eventually, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -74,7 +75,8 @@ class Box:
 
 @contextlib.asynccontextmanager
 async def two_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str = "",
-                     wide: str = "", narrow: str = "") -> AsyncIterator[Box]:
+                     wide: str = "", narrow: str = "", *, tokens: int = 4,
+                     delay: float = 0.0) -> AsyncIterator[Box]:
     """The app, configured by a TOML catalog, in front of one synthetic worker per model, each
     reporting its own window as vLLM's /v1/models does."""
     for name, config in CONFIGS.items():
@@ -84,7 +86,7 @@ async def two_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: st
     path.write_text(CATALOG.format(root=tmp_path, policy=policy, wide=wide, narrow=narrow))
     monkeypatch.setenv("CHAT_APPLIANCE_CONFIG", str(path))
     settings = load_settings()
-    workers = {name: SyntheticWorker(4, 0.0, name) for name in MODELS}
+    workers = {name: SyntheticWorker(tokens, delay, name) for name in MODELS}
     ports = {name: free_port() for name in MODELS}
     async with contextlib.AsyncExitStack() as stack:
         for name, worker in workers.items():
@@ -383,3 +385,30 @@ async def test_field_checks_hold_on_each_model(
     async with two_models(tmp_path, monkeypatch) as box:
         refused(await box.post(path, body | {"model": model}), path, code, param)
         assert box.asked() == {WIDE: 0, NARROW: 0}
+
+
+async def test_the_cost_watch_judges_each_models_engine_apart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constrained stream far slower than the norm (every synthetic token takes 10 ms, the
+    norm's floor is 1 ms) is cut while another request shares its model's engine; beside a
+    request on the other model's engine it is alone at its own, and finishes."""
+    costly = {"model": NARROW, "messages": HI, "max_tokens": 100, "stream": True,
+              "structured_outputs": {"grammar": "root ::= [a-z]+"}}
+    constraints = "[constraints]\nslow_norm_floor_s = 0.001\nslow_factor = 2.0\nslow_tokens = 30"
+    async with two_models(tmp_path, monkeypatch, constraints, tokens=200, delay=0.01) as box:
+
+        async def beside(peer_model: str) -> list[str]:
+            """The costly stream's events while a long request runs on `peer_model`."""
+            peer = asyncio.ensure_future(box.post("/v1/chat/completions", {
+                "model": peer_model, "messages": HI, "max_tokens": 1000}))
+            await eventually(lambda: box.workers[peer_model].running == 1)
+            async with box.client.stream("POST", "/v1/chat/completions", json=costly) as answer:
+                lines = [line async for line in answer.aiter_lines() if line.startswith("data:")]
+            assert answer.status_code == 200 and lines[-1] == "data: [DONE]"
+            assert (await peer).status_code == 200
+            return lines
+
+        alone = await beside(WIDE)
+        assert len(alone) > 100 and "request_too_costly" not in alone[-2], alone[-2:]
+        shared = await beside(NARROW)
+        assert len(shared) < 60 and "request_too_costly" in shared[-2], shared[-2:]
