@@ -128,13 +128,17 @@ def with_budget(path: str, model: str, budget: int | None, words: int = 1) -> di
         "/v1/completions": ({"prompt": text}, "max_tokens"),
         "/v1/responses": ({"input": text}, "max_output_tokens"),
         "/v1/messages": ({"messages": [{"role": "user", "content": text}]}, "max_tokens"),
+        "/v1/chat/completions/batch": ({"messages": [[{"role": "user", "content": text}]]},
+                                       "max_completion_tokens"),
+        "/invocations": ({"prompt": text}, "max_tokens"),
     }
     body, field = bodies[path]
     return body | {"model": model} | ({} if budget is None else {field: budget})
 
 
 BUDGET_FIELD = {"/v1/chat/completions": "max_completion_tokens", "/v1/completions": "max_tokens",
-                "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}
+                "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens",
+                "/v1/chat/completions/batch": "max_completion_tokens", "/invocations": "max_tokens"}
 ROUTES = list(BUDGET_FIELD)
 
 
@@ -219,6 +223,8 @@ IMAGE_BODIES: dict[str, dict[str, Any]] = {
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": PNG.split(",", 1)[1]}}]}]},
 }
+IMAGE_BODIES["/v1/messages/count_tokens"] = {
+    k: v for k, v in IMAGE_BODIES["/v1/messages"].items() if k != "max_tokens"}
 
 
 @pytest.mark.parametrize("path", list(IMAGE_BODIES))
