@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from appliance.app import create_app
-from appliance.core.settings import load_settings
+from appliance.core.catalog import Catalog
+from appliance.core.settings import Settings, load_settings
 from load.kit.net import free_port
 from load.kit.synthetic_worker import SyntheticWorker
 from tests.unit.appliance.fakes import FakeEngine, eventually, serving
@@ -312,6 +313,15 @@ async def test_automatic_tool_choice_needs_that_models_own_parser(
         required = await box.post("/v1/chat/completions", {
             "model": NARROW, "messages": HI, "tools": TOOLS, "tool_choice": "required"})
         assert required.status_code == 200, required.text  # structured output: no parser
+
+
+def test_a_refusal_names_the_setting_of_the_model_it_is_for() -> None:
+    """One model: [engine]'s key, as before; a catalog: the model's own table's."""
+    assert Settings().model_key("tool_call_parser") == "engine.tool_call_parser"
+    catalog = Settings(models={"a": {"path": "/a"}, "b": {"path": "/b"}})
+    assert [entry.settings(catalog).model_key("tool_call_parser")
+            for entry in Catalog.from_settings(catalog)] == [
+        "models.a.tool_call_parser", "models.b.tool_call_parser"]
 
 
 async def test_a_stream_is_kept_for_resumption_by_its_own_models_reasoning_parser(
