@@ -14,11 +14,11 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.core.sections import EngineSettings
+from appliance.core.sections import EngineSettings, PolicySettings
 
 Tree = TypeVar("Tree", bound=BaseModel)  # appliance.core.settings.Settings, which imports this
 
@@ -47,6 +47,8 @@ class ModelSettings(BaseModel):
     trust_remote_code: bool | None = None
     extra_args: list[str] = Field(default_factory=list)  # after [engine]'s
     env: dict[str, str] = Field(default_factory=dict)  # over [engine]'s
+    # Its media guard, as policy.multimodal says for every model (None: that setting).
+    multimodal: Literal["auto", "on", "off"] | None = None
     # Unloaded (its worker stopped, its memory given back) after this long without a request;
     # the next request for it loads it again. None: never for being idle.
     keep_alive_s: float | None = Field(None, gt=0)
@@ -118,6 +120,7 @@ class CatalogEntry:
     pinned: bool
     keep_alive_s: float | None
     engine: EngineSettings  # its worker's settings: [engine] with the model's own over them
+    multimodal: str | None = None  # its own policy.multimodal; None: [policy]'s
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -125,7 +128,11 @@ class CatalogEntry:
 
     def settings(self, settings: Tree) -> Tree:
         """The whole settings tree as this model's worker and policy read it."""
-        return settings.model_copy(update={"engine": self.engine})
+        update: dict[str, Any] = {"engine": self.engine}
+        if self.multimodal is not None:
+            policy: PolicySettings = settings.policy  # type: ignore[attr-defined]
+            update["policy"] = policy.model_copy(update={"multimodal": self.multimodal})
+        return settings.model_copy(update=update)
 
 
 class Catalog:
@@ -182,4 +189,4 @@ def _entry(engine: EngineSettings, name: str, model: ModelSettings, index: int) 
     pinned = model.pinned if model.pinned is not None else index == 0
     return CatalogEntry(name, tuple(model.aliases), default=index == 0,
                         pinned=pinned, keep_alive_s=model.keep_alive_s,
-                        engine=engine.model_copy(update=update))
+                        engine=engine.model_copy(update=update), multimodal=model.multimodal)

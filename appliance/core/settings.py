@@ -96,6 +96,14 @@ class Settings(BaseSettings):
         check_catalog(self.models, self.engine, self.residency)
         return self
 
+    def model_key(self, key: str) -> str:
+        """The setting an operator changes for this tree's model's `key`: its own table in a
+        catalog (this is then a model's tree, appliance.core.catalog.CatalogEntry.settings),
+        else [engine]'s."""
+        if self.models:
+            return f"models.{self.engine.model_name}.{key}"
+        return f"engine.{key}"
+
 
 class ConfigError(Exception):
     """A setting is wrong; the message is one line naming the key."""

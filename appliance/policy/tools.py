@@ -17,7 +17,8 @@ def tools_active(body: Mapping[str, Any]) -> bool:
     return isinstance(tools, list) and bool(tools) and body.get("tool_choice") != "none"
 
 
-def check_tools(body: Mapping[str, Any], *, tool_parser: str | None) -> None:
+def check_tools(body: Mapping[str, Any], *, tool_parser: str | None,
+                setting: str = "engine.tool_call_parser") -> None:
     """BadRequest when tools need automatic tool-call parsing and no parser is configured.
 
     Only "auto" (explicit, null, or implied by tools without tool_choice) needs the parser;
@@ -28,9 +29,8 @@ def check_tools(body: Mapping[str, Any], *, tool_parser: str | None) -> None:
         return
     if body.get("tool_choice", "auto") in ("auto", None):
         raise BadRequest(
-            "tool_choice 'auto' needs a tool-call parser and this appliance has none configured "
-            "(setting engine.tool_call_parser); use tool_choice 'required', a named function, "
-            "or 'none'.",
+            "tool_choice 'auto' needs a tool-call parser and this model has none configured "
+            f"(setting {setting}); use tool_choice 'required', a named function, or 'none'.",
             param="tool_choice",
             code="tool_parser_not_configured",
         )

@@ -18,7 +18,7 @@ from supervisor.doctor.box import Box
 from supervisor.doctor.driver import check_driver
 from supervisor.doctor.kernel import check_device_nodes, check_uvm
 from supervisor.doctor.report import Finding, Level, blocker, ok
-from supervisor.doctor.resources import check_disk, check_gpu_memory, check_ports
+from supervisor.doctor.resources import check_disk, check_models_gpu_memory, check_ports
 from supervisor.doctor.state import check_state_dir
 from supervisor.doctor.toolchain import check_compiler
 
@@ -69,7 +69,7 @@ def all_checks(box: Box | None = None, user: str | None = None,
     account = service_account(box, user)
     findings += [check_driver(box, settings.engine), check_uvm(box, settings.engine),
                  check_device_nodes(box, settings.engine), check_compiler(box, settings.engine),
-                 check_gpu_memory(box, settings), check_disk(box, settings),
+                 *check_models_gpu_memory(box, settings), check_disk(box, settings),
                  check_access(box, settings, account, missing_ok=before_install),
                  check_state_dir(box, account), check_ports(box, settings)]
     return findings

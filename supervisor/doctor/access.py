@@ -12,6 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
+from appliance.core.catalog import Catalog
 from appliance.core.settings import Settings, config_path
 from supervisor.doctor.box import Account, Box
 from supervisor.doctor.report import Finding, blocker, ok
@@ -50,18 +51,21 @@ def _may(info: os.stat_result, account: Account, bit: str) -> bool:
 
 
 def wanted_paths(settings: Settings, app_python: Path) -> list[tuple[str, Path, str]]:
-    """(what, path, access) the service needs."""
+    """(what, path, access) the service needs: every model of the catalog's directory."""
     engine_python = settings.engine.python
-    model = Path(settings.engine.model)
     wanted = [
         ("appliance interpreter", app_python.resolve(), "rx"),
         ("appliance venv", app_python.parent.parent / "lib", "rx"),
         ("engine interpreter", engine_python.resolve(), "rx"),
         ("engine interpreter's library", engine_python.resolve().parent.parent / "lib", "rx"),
         ("engine venv", engine_python.parent.parent / "lib", "rx"),
-        ("model", model / "config.json", "r"),
-        *(("model weights", weights, "r") for weights in sorted(model.glob("*.safetensors"))),
     ]
+    models = Catalog.from_settings(settings).entries
+    for entry in models:
+        what, model = "model" if len(models) == 1 else f"model {entry.name}", Path(entry.engine.model)
+        wanted += [(what, model / "config.json", "r"),
+                   *((f"{what} weights", weights, "r")
+                     for weights in sorted(model.glob("*.safetensors")))]
     config = config_path()
     if config is not None:
         wanted.append(("config", config, "r"))
@@ -93,4 +97,5 @@ def check_access(box: Box, settings: Settings, account: Account | None,
         return blocker(CHECK, f"{account.name} cannot use: {'; '.join(refused)}",
                        "use a system-wide Python (CHAT_APPLIANCE_PYTHON=/usr/bin/python3.11) and "
                        "paths the service user can read, then run install.sh again")
-    return ok(CHECK, f"{account.name} can use both interpreters, the venvs, the model, the config")
+    models = "models" if settings.models else "model"
+    return ok(CHECK, f"{account.name} can use both interpreters, the venvs, the {models}, the config")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
+from appliance.core.catalog import Catalog
 from appliance.core.sections import EngineSettings
 from appliance.core.settings import Settings
 from supervisor.doctor.box import Box
@@ -66,6 +68,35 @@ def check_gpu_memory(box: Box, settings: Settings) -> Finding:
     return warning(GPU_MEMORY, f"{shown}: fewer than engine.kv_budget_sequences",
                    f"lower engine.kv_budget_sequences to {math.floor(chosen.concurrency)} "
                    "or engine.max_model_len, or leave kv_budget_sequences unset", **detail)
+
+
+def check_models_gpu_memory(box: Box, settings: Settings) -> list[Finding]:
+    """check_gpu_memory for each model of the catalog, with its own settings (one model: that
+    alone); with several, whether the models loaded at once (residency.max_loaded of them, the
+    largest) fit together: each worker sizes its reservation when it starts, so the sum must."""
+    catalog = Catalog.from_settings(settings)
+    if len(catalog) == 1:
+        return [check_gpu_memory(box, settings)]
+    findings = [_of_model(check_gpu_memory(box, entry.settings(settings)), entry.name)
+                for entry in catalog]
+    sized = sorted((f.detail["reserved_bytes"] for f in findings if "reserved_bytes" in f.detail),
+                   reverse=True)
+    if len(sized) < len(findings):
+        return findings  # a model that cannot be sized (or no GPU): said in its own finding
+    together = sized[:settings.residency.max_loaded or len(sized)]
+    total, free = findings[0].detail["total_bytes"], findings[0].detail["free_bytes"]
+    shown = (f"the {len(together)} models loaded at once reserve {_gib(sum(together))} "
+             f"({sum(together) / total:.2f} of {_gib(total)}, {_gib(free)} free)")
+    if sum(together) > free:
+        return [*findings, blocker(GPU_MEMORY, shown, "give each model a gpu_memory_max_share "
+                                   "(or gpu_memory_utilization) whose sum is below 1, or lower "
+                                   "residency.max_loaded", lasting=sum(together) > total)]
+    return [*findings, ok(GPU_MEMORY, shown)]
+
+
+def _of_model(finding: Finding, name: str) -> Finding:
+    return dataclasses.replace(finding, message=f"model {name}: {finding.message}",
+                               detail=finding.detail | {"model": name})
 
 
 def _lasting(chosen: Reservation) -> bool:

@@ -133,6 +133,31 @@ def test_the_clamp_uses_each_models_own_window(appliance: Appliance) -> None:
         assert window - 16 < applied < window, (name, clamp)
 
 
+def test_a_prompt_that_fits_one_models_window_is_a_400_on_the_other(appliance: Appliance) -> None:
+    """About 1500 tokens: SmolLM2's 2048 hold them, Gemma's 1024 do not; the refusal is the
+    gate's (the exact count from Gemma's own worker), before anything is generated."""
+    prompt = "one two three four five six seven eight nine ten " * 150
+    answers = {name: post(appliance, "/v1/completions", {
+        "model": name, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+        for name in ("smollm2", "gemma")}
+    assert answers["smollm2"].status_code == 200, answers["smollm2"].text
+    assert answers["gemma"].status_code == 400, answers["gemma"].text
+    error = answers["gemma"].json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {GEMMA_WINDOW} tokens" in error["message"]
+
+
+def test_token_ids_are_checked_against_each_models_vocabulary(appliance: Appliance) -> None:
+    """Token id 100000 is Gemma's (262,144 ids) and not SmolLM2's (49,152)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logit_bias": {"100000": -1}}
+    assert post(appliance, "/v1/chat/completions", body | {"model": "gemma"}).status_code == 200
+    refused = post(appliance, "/v1/chat/completions", body | {"model": "smollm2"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "invalid_token_id"
+    assert "49152" in refused.json()["error"]["message"]
+
+
 def test_kill_9_of_one_models_worker_leaves_the_other_untouched(appliance: Appliance) -> None:
     before = wait_models_ready(appliance)
     smol_pid, smol_restarts = before["smollm2"]["pid"], before["smollm2"]["restarts"]

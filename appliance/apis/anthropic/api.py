@@ -105,7 +105,8 @@ class MessagesApi(ConversationApi):
     def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
         """Tools as for chat (in Anthropic's tool_choice vocabulary); its `thinking` is
         vLLM's own; the template arguments count_tokens gets."""
-        policy.check_tools(_as_chat(body), tool_parser=settings.engine.tool_call_parser)
+        policy.check_tools(_as_chat(body), tool_parser=settings.engine.tool_call_parser,
+                           setting=settings.model_key("tool_call_parser"))
         return COUNT_TOKENS.adjust(body, settings)
 
     def prompt_bound(self, body: Mapping[str, Any], raw_len: int, limits: Limits,

@@ -63,7 +63,8 @@ class ChatApi(ConversationApi):
     def adjust(self, body: dict[str, Any], settings: Settings) -> bool:
         """Tool calls need a parser; the thinking switch and template defaults."""
         limits = settings.policy
-        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
+        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser,
+                           setting=settings.model_key("tool_call_parser"))
         return policy.apply_thinking(body, default_kwargs=limits.default_chat_template_kwargs,
                                      disable_with_tools=limits.disable_thinking_with_tools)
 

@@ -77,7 +77,8 @@ class ResponsesApi(GenerationApi):
                              "connection, outside admission control, and are off on this "
                              "appliance (setting policy.allow_background_responses).",
                              param="background", code="background_not_allowed")
-        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser)
+        policy.check_tools(body, tool_parser=settings.engine.tool_call_parser,
+                           setting=settings.model_key("tool_call_parser"))
         changed = apply_template_defaults(
             body, limits.default_chat_template_kwargs,
             thinking_off=limits.disable_thinking_with_tools and tools_active(body))
