@@ -63,6 +63,9 @@ class ResidencySettings(BaseModel):
     # Models loaded at once; a request for another waits while the least recently used idle
     # model is unloaded. None: no limit (each model loaded at start; keep_alive_s still unloads).
     max_loaded: int | None = Field(None, ge=1)
+    # The memory the loaded models' reservations share (bytes; supervisor.engine.planner).
+    # None: the GPU's total memory, or on the CPU the host memory available at start.
+    memory_bytes: int | None = Field(None, ge=1)
     queue_max: int = Field(16, ge=0)  # requests waiting per model for its load; then 429
     load_wait_s: float = Field(120.0, gt=0)  # a request waits this long for its load; then 503
     # A model loaded this recently is not unloaded for another (no thrash between two).
