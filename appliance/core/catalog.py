@@ -53,6 +53,10 @@ class ModelSettings(BaseModel):
     # Always loaded, never unloaded, and /health is 503 while it is not ready. None: the
     # default model is pinned, the others are not.
     pinned: bool | None = None
+    # Sequences this model's requests may hold at once; beyond it they wait in the model's own
+    # queue (admission.queue_max, queue_wait_s), never holding up another model's. None: only
+    # policy.max_inflight and the clients' limits, which hold as well.
+    max_inflight: int | None = Field(None, ge=1)
 
 
 class ResidencySettings(BaseModel):
@@ -121,6 +125,7 @@ class CatalogEntry:
     pinned: bool
     keep_alive_s: float | None
     engine: EngineSettings  # its worker's settings: [engine] with the model's own over them
+    max_inflight: int | None = None  # its own admission cap (appliance.admission.slots)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -185,4 +190,4 @@ def _entry(engine: EngineSettings, name: str, model: ModelSettings, index: int) 
     pinned = model.pinned if model.pinned is not None else index == 0
     return CatalogEntry(name, tuple(model.aliases), default=index == 0,
                         pinned=pinned, keep_alive_s=model.keep_alive_s,
-                        engine=engine.model_copy(update=update))
+                        engine=engine.model_copy(update=update), max_inflight=model.max_inflight)

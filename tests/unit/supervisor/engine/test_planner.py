@@ -123,7 +123,7 @@ def test_a_model_that_cannot_fit_beside_the_pinned_ones_is_refused(tmp_path: Pat
     catalog, residency = cpu_catalog(tmp_path, memory_bytes=2 * GIB + 400 * MIB)
     plan = plan_memory(catalog, residency, GpuSettings(), {})
     assert plan is not None and plan.fits(["b"]) and plan.fits(["a", "c"])
-    with pytest.raises(PlanError, match="models a, b reserve .* pinned = false"):
+    with pytest.raises(PlanError, match=r"models a, b reserve .* pinned = false"):
         plan.check(catalog)  # a, the default, is pinned
     unpinned = [entry for entry in catalog if entry.name != "a"]
     plan.check(unpinned)
