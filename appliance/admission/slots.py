@@ -114,6 +114,7 @@ class Admission:
 
     @property
     def admitted(self) -> int:
+        """Slots granted so far: work the engine was given."""
         return self._shared.admitted
 
     @contextlib.asynccontextmanager

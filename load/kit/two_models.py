@@ -5,8 +5,14 @@ with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from load.kit.appliance import Appliance, running_appliance
 
 MODELS = Path(__file__).resolve().parents[2] / ".models"
 SMOLLM2 = MODELS / "SmolLM2-135M-Instruct"
@@ -31,3 +37,20 @@ def one_at_a_time(path: Path, *, min_resident_s: float, load_wait_s: float,
         f"[residency]\n{limit}\nmin_resident_s = {min_resident_s}\n"
         f"load_wait_s = {load_wait_s}\n")
     return path
+
+
+def models(appliance: Appliance) -> dict[str, Any]:
+    """/health's entry per model."""
+    return dict(appliance.health().json()["models"])
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, config: Path, boot_s: float = 300) -> Iterator[Appliance]:
+    """The appliance on `config`, once SmolLM2 (the one loaded at start) is ready."""
+    with running_appliance(tmp_path, {"CHAT_APPLIANCE_CONFIG": str(config)}) as appliance:
+        appliance.wait_ready()
+        deadline = time.monotonic() + boot_s
+        while models(appliance)["smollm2"]["state"] != "ready":
+            assert time.monotonic() < deadline, appliance.tail()
+            time.sleep(0.2)
+        yield appliance

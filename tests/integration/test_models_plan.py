@@ -6,17 +6,15 @@ Marked long: Gemma is installed by `install.sh --model gemma3-270m`, which CI do
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from load.kit.appliance import Appliance, running_appliance
+from load.kit.appliance import Appliance
 from load.kit.completions import stream_completion
-from load.kit.two_models import GEMMA, SMOLLM2, gemma_installed, one_at_a_time
+from load.kit.two_models import GEMMA, SMOLLM2, gemma_installed, models, one_at_a_time, serving
 from tests.metrics_text import value
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
@@ -37,17 +35,8 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     capacity = reservation(SMOLLM2) + reservation(GEMMA) - 1
     config = one_at_a_time(tmp_path / "plan.toml", min_resident_s=0.0, load_wait_s=240.0,
                            memory_bytes=capacity)
-    with running_appliance(tmp_path, {"CHAT_APPLIANCE_CONFIG": str(config)}) as appliance:
-        appliance.wait_ready()
-        deadline = time.monotonic() + 300
-        while models(appliance)["smollm2"]["state"] != "ready":
-            assert time.monotonic() < deadline, appliance.tail()
-            time.sleep(0.2)
+    with serving(tmp_path, config) as appliance:
         yield appliance
-
-
-def models(appliance: Appliance) -> dict[str, Any]:
-    return dict(appliance.health().json()["models"])
 
 
 def test_a_request_for_the_second_model_swaps_the_first_out(appliance: Appliance) -> None:
