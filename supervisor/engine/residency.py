@@ -4,13 +4,12 @@ The loaded models' reservations fit in the planner's capacity (supervisor.engine
 at most `residency.max_loaded` models are loaded at once. A request for a model that is not
 loaded takes a place in that model's bounded queue and waits while the least recently used
 models are drained and unloaded until it fits, and the requested one starts from its worker
-template. An idle
-model (nothing in flight, nothing waiting) goes before a busy one; a busy one is drained: its
-new requests wait for its next load while those in flight finish (no stream is cut). None
-loaded less than `min_resident_s` ago is chosen (no thrash), so requests for one model wait
-together and are served together by its one load. A full queue is a 429, a load not done
-within `load_wait_s` a 503, both with Retry-After: never a hang. A model idle past its
-`keep_alive_s` is unloaded. Pinned models are never unloaded.
+template. An idle model (nothing in flight, nothing waiting) goes before a busy one; a busy
+one is drained: its new requests wait for its next load while those in flight finish (no
+stream is cut). None loaded less than `min_resident_s` ago is chosen (no thrash), so
+requests for one model wait together and are served together by its one load. A full queue
+is a 429, a load not done within `load_wait_s` a 503, both with Retry-After: never a hang. A
+model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded.
 
 The API holds a lease on its model for each request's whole life (appliance.core.engine's
 Residency); a lease is what makes a model busy here.
