@@ -127,11 +127,13 @@ def create_app(
         catalog.default.name: engine}
 
     def served(entry: CatalogEntry) -> ServedModel:
-        """A model's own relay: its worker's address, its gate (its window, its modalities)."""
+        """A model's own relay: its worker's address, its gate (its window, its modalities),
+        its admission cap in front of the box's."""
         view, own = engines[entry.name], entry.settings(settings)
         upstream = Upstream(view.base_url, Limits.of(settings.server), view.retry_after_s)
         gate = Gate(own, BudgetFitter(upstream, view, settings.policy), metrics.clamped)
-        return ServedModel(entry, RelayDeps(view, admission, gate, upstream, metrics,
+        slots = admission.for_model(entry.name, entry.max_inflight)
+        return ServedModel(entry, RelayDeps(view, slots, gate, upstream, metrics,
                                             settings.resume, quarantine,
                                             CostWatch(settings.constraints, metrics.too_costly)))
 

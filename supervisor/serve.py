@@ -31,6 +31,7 @@ from supervisor.engine.gpu_budget import (
 )
 from supervisor.engine.listen import ListenError, prepare_socket_dir
 from supervisor.engine.manager import EngineManager
+from supervisor.engine.planner import PlanError, plan_memory
 from supervisor.engine.residency import Residency
 from supervisor.engine.stack import ModelStack, build_stack
 from supervisor.gpu.watch import build_gpu_watch
@@ -116,17 +117,29 @@ async def serve(settings: Settings) -> int:
     except (ListenError, OSError) as exc:
         log.error("engine.socket_dir_refused", error=str(exc))
         return EXIT_FAILURE
+    reservations = {entry.name: size_gpu_reservation(entry.settings(settings))
+                    for entry in catalog}
+    # With several models, which fit in memory together; one that never can is refused here.
+    try:
+        memory_plan = plan_memory(catalog, settings.residency, settings.gpu, reservations) \
+            if len(catalog) > 1 else None
+        if memory_plan is not None:
+            memory_plan.check(catalog)
+    except PlanError as exc:
+        log.error("supervisor.bad_configuration", error=str(exc))
+        return EXIT_CONFIG
     gpu = await build_gpu_watch(settings.gpu)
     api = ApiState.from_settings(settings)
-    # Residency where models may be unloaded (a limit, or an idle timeout): the models beyond
-    # the limit start unloaded, and a request loads them.
-    swapping = settings.residency.max_loaded is not None or any(
-        entry.keep_alive_s is not None for entry in catalog)
-    first = Residency.initially_loaded(catalog.entries, settings.residency)
-    stacks = [build_stack(settings, entry, api, gpu, size_gpu_reservation,
+    # Residency where models may be unloaded (a limit, not all fitting together, or an idle
+    # timeout): the models beyond the limit start unloaded, and a request loads them.
+    swapping = settings.residency.max_loaded is not None \
+        or (memory_plan is not None and not memory_plan.fits(memory_plan.reservations)) \
+        or any(entry.keep_alive_s is not None for entry in catalog)
+    first = Residency.initially_loaded(catalog.entries, settings.residency, memory_plan)
+    stacks = [build_stack(settings, entry, api, gpu, reservations[entry.name],
                           loaded=entry.name in first) for entry in catalog]
-    residency = Residency([(s.entry, s.manager) for s in stacks], settings.residency) \
-        if swapping else None
+    residency = Residency([(s.entry, s.manager) for s in stacks], settings.residency,
+                          plan=memory_plan) if swapping else None
     default = stacks[0]
     for stack in stacks:
         stack.manager.listeners.append(functools.partial(_report_state, notifier, stack,

@@ -55,6 +55,10 @@ class ModelSettings(BaseModel):
     # Always loaded, never unloaded, and /health is 503 while it is not ready. None: the
     # default model is pinned, the others are not.
     pinned: bool | None = None
+    # Sequences this model's requests may hold at once; beyond it they wait in the model's own
+    # queue (admission.queue_max, queue_wait_s), never holding up another model's. None: only
+    # policy.max_inflight and the clients' limits, which hold as well.
+    max_inflight: int | None = Field(None, ge=1)
 
 
 class ResidencySettings(BaseModel):
@@ -65,6 +69,9 @@ class ResidencySettings(BaseModel):
     # Models loaded at once; a request for another waits while the least recently used idle
     # model is unloaded. None: no limit (each model loaded at start; keep_alive_s still unloads).
     max_loaded: int | None = Field(None, ge=1)
+    # The memory the loaded models' reservations share (bytes; supervisor.engine.planner).
+    # None: the GPU's total memory, or on the CPU the host memory available at start.
+    memory_bytes: int | None = Field(None, ge=1)
     queue_max: int = Field(16, ge=0)  # requests waiting per model for its load; then 429
     load_wait_s: float = Field(120.0, gt=0)  # a request waits this long for its load; then 503
     # A model loaded this recently is not unloaded for another (no thrash between two).
@@ -121,6 +128,7 @@ class CatalogEntry:
     keep_alive_s: float | None
     engine: EngineSettings  # its worker's settings: [engine] with the model's own over them
     multimodal: str | None = None  # its own policy.multimodal; None: [policy]'s
+    max_inflight: int | None = None  # its own admission cap (appliance.admission.slots)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -189,4 +197,5 @@ def _entry(engine: EngineSettings, name: str, model: ModelSettings, index: int) 
     pinned = model.pinned if model.pinned is not None else index == 0
     return CatalogEntry(name, tuple(model.aliases), default=index == 0,
                         pinned=pinned, keep_alive_s=model.keep_alive_s,
-                        engine=engine.model_copy(update=update), multimodal=model.multimodal)
+                        engine=engine.model_copy(update=update), multimodal=model.multimodal,
+                        max_inflight=model.max_inflight)

@@ -65,6 +65,7 @@ class Env(StrEnum):
     ENABLE_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
     CPU_OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
     NO_USAGE_STATS = "VLLM_NO_USAGE_STATS"
+    CPU_KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"  # GiB; read, not set (the planner's sizing)
 
 
 class Metric(StrEnum):

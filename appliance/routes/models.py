@@ -136,6 +136,8 @@ class ServedModels:
             "restarts": engine.snapshot().get("restarts")}
         if self.residency is not None:
             detail["residency"] = self.residency.snapshot(model.name)
+        if (admission := model.relay.admission.model_detail()) is not None:
+            detail["admission"] = admission
         return detail
 
 

@@ -20,6 +20,7 @@ from supervisor.engine.gpu_budget import (
     plan,
     read_model_shape,
 )
+from supervisor.engine.planner import MemoryPlan, PlanError
 
 GPU_MEMORY = "gpu-memory"
 DISK = "disk"
@@ -72,26 +73,38 @@ def check_gpu_memory(box: Box, settings: Settings) -> Finding:
 
 def check_models_gpu_memory(box: Box, settings: Settings) -> list[Finding]:
     """check_gpu_memory for each model of the catalog, with its own settings (one model: that
-    alone); with several, whether the models loaded at once (residency.max_loaded of them, the
-    largest) fit together: each worker sizes its reservation when it starts, so the sum must."""
+    alone); with several, the reservation planner's judgement of the sized reservations: a
+    model that can never be loaded (alone, or beside the pinned ones) is a blocker, as it stops
+    `serve`; models that do not all fit are swapped by residency, which this says."""
     catalog = Catalog.from_settings(settings)
     if len(catalog) == 1:
         return [check_gpu_memory(box, settings)]
     findings = [_of_model(check_gpu_memory(box, entry.settings(settings)), entry.name)
                 for entry in catalog]
-    sized = sorted((f.detail["reserved_bytes"] for f in findings if "reserved_bytes" in f.detail),
-                   reverse=True)
+    sized = {f.detail["model"]: f.detail["reserved_bytes"] + CONTEXT_HEADROOM_BYTES
+             for f in findings if "reserved_bytes" in f.detail}
     if len(sized) < len(findings):
         return findings  # a model that cannot be sized (or no GPU): said in its own finding
-    together = sized[:settings.residency.max_loaded or len(sized)]
     total, free = findings[0].detail["total_bytes"], findings[0].detail["free_bytes"]
-    shown = (f"the {len(together)} models loaded at once reserve {_gib(sum(together))} "
-             f"({sum(together) / total:.2f} of {_gib(total)}, {_gib(free)} free)")
-    if sum(together) > free:
-        return [*findings, blocker(GPU_MEMORY, shown, "give each model a gpu_memory_max_share "
-                                   "(or gpu_memory_utilization) whose sum is below 1, or lower "
-                                   "residency.max_loaded", lasting=sum(together) > total)]
-    return [*findings, ok(GPU_MEMORY, shown)]
+    memory = settings.residency.memory_bytes
+    capacity = MemoryPlan(memory or total, "residency.memory_bytes" if memory else
+                          "the GPU's total memory", sized)
+    try:
+        capacity.check(catalog)
+    except PlanError as error:
+        return [*findings, blocker(GPU_MEMORY, str(error), "see the message")]
+    largest = sorted(sized, key=sized.__getitem__, reverse=True)
+    at_once = largest[:settings.residency.max_loaded or len(largest)]
+    reserved = capacity.reserved(at_once)
+    shown = (f"the {len(at_once)} largest models reserve {_gib(reserved)} "
+             f"({reserved / total:.2f} of {_gib(total)}, {_gib(free)} free)")
+    if not capacity.fits(at_once):
+        return [*findings, ok(GPU_MEMORY, f"{shown}: more than the capacity, so residency "
+                                          "swaps them (docs/models.md, Residency)")]
+    if reserved > free:
+        return [*findings, warning(GPU_MEMORY, f"{shown}: other processes hold the rest",
+                                   f"free GPU memory ({HOLDERS}) or lower residency.max_loaded")]
+    return [*findings, ok(GPU_MEMORY, f"{shown}: they fit together")]
 
 
 def _of_model(finding: Finding, name: str) -> Finding:

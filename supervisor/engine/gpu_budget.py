@@ -132,11 +132,16 @@ def read_model_shape(model_dir: Path, dtype: str | None) -> ModelShape:
             dtype_bytes=_dtype_bytes(dtype, text.get("dtype") or text.get("torch_dtype")
                                      or config.get("torch_dtype")),
             max_window=int(text["max_position_embeddings"]),
-            weights_bytes=sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
+            weights_bytes=weights_bytes(model_dir),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelShapeError(f"{model_dir / 'config.json'}: no {exc} to size the KV cache") from exc
     return shape
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """The model's weights: its *.safetensors files' sizes on disk."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
 def _dtype_bytes(engine_dtype: str | None, checkpoint_dtype: object) -> int:

@@ -1,14 +1,15 @@
 """Residency: which models of the catalog have a worker loaded, and the swaps between them.
 
-At most `residency.max_loaded` models are loaded at once. A request for a model that is not
+The loaded models' reservations fit in the planner's capacity (supervisor.engine.planner), and
+at most `residency.max_loaded` models are loaded at once. A request for a model that is not
 loaded takes a place in that model's bounded queue and waits while the least recently used
-model is drained and unloaded, and the requested one starts from its worker template. An idle
-model (nothing in flight, nothing waiting) goes before a busy one; a busy one is drained: its
-new requests wait for its next load while those in flight finish (no stream is cut). None
-loaded less than `min_resident_s` ago is chosen (no thrash), so requests for one model wait
-together and are served together by its one load. A full queue is a 429, a load not done
-within `load_wait_s` a 503, both with Retry-After: never a hang. A model idle past its
-`keep_alive_s` is unloaded. Pinned models are never unloaded.
+models are drained and unloaded until it fits, and the requested one starts from its worker
+template. An idle model (nothing in flight, nothing waiting) goes before a busy one; a busy
+one is drained: its new requests wait for its next load while those in flight finish (no
+stream is cut). None loaded less than `min_resident_s` ago is chosen (no thrash), so
+requests for one model wait together and are served together by its one load. A full queue
+is a 429, a load not done within `load_wait_s` a 503, both with Retry-After: never a hang. A
+model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded.
 
 The API holds a lease on its model for each request's whole life (appliance.core.engine's
 Residency); a lease is what makes a model busy here.
@@ -31,6 +32,7 @@ from prometheus_client.registry import Collector
 from appliance.core.catalog import CatalogEntry, ResidencySettings
 from appliance.core.engine import EngineState
 from appliance.core.errors import EngineUnavailable, TooManyRequests
+from supervisor.engine.planner import MemoryPlan
 
 log = structlog.get_logger("supervisor.engine.residency")
 
@@ -76,11 +78,14 @@ class _Slot:
 
 
 class Residency:
-    """Keeps the loaded models within max_loaded; the API's Residency."""
+    """Keeps the loaded models within the plan's capacity and max_loaded; the API's
+    Residency. plan: None where no capacity is known (max_loaded alone limits them)."""
 
     def __init__(self, models: list[tuple[CatalogEntry, Loadable]], settings: ResidencySettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, plan: MemoryPlan | None = None,
+                 ) -> None:
         self._settings = settings
+        self._plan = plan
         self._clock = clock
         now = clock()
         self._slots = {entry.name: _Slot(entry, manager, last_used=now, loaded_at=now)
@@ -89,12 +94,17 @@ class Residency:
         self._released = asyncio.Event()  # a lease ended: a model may have become idle
 
     @staticmethod
-    def initially_loaded(entries: list[CatalogEntry], settings: ResidencySettings) -> set[str]:
-        """The models loaded at start: the pinned ones, then the catalog's order, up to
-        max_loaded (every one without a limit)."""
+    def initially_loaded(entries: list[CatalogEntry], settings: ResidencySettings,
+                         plan: MemoryPlan | None = None) -> set[str]:
+        """The models loaded at start: the pinned ones, then each in the catalog's order that
+        fits beside those before it, up to max_loaded (every one without a limit)."""
         most = settings.max_loaded or len(entries)
-        ordered = [e for e in entries if e.pinned] + [e for e in entries if not e.pinned]
-        return {entry.name for entry in ordered[:max(most, sum(e.pinned for e in entries))]}
+        loaded = [entry.name for entry in entries if entry.pinned]
+        for entry in entries:
+            if not entry.pinned and len(loaded) < most \
+                    and (plan is None or plan.fits([*loaded, entry.name])):
+                loaded.append(entry.name)
+        return set(loaded)
 
     # --- the API's side ---------------------------------------------------------------------
 
@@ -149,24 +159,23 @@ class Residency:
     # --- swaps ------------------------------------------------------------------------------
 
     async def _bring_in(self, slot: _Slot) -> None:
-        """Load `slot`'s model, first draining and unloading the model `_victim` names while
-        the limit is reached. The lock is held only for a swap itself: while no model can go
+        """Load `slot`'s model, first draining and unloading the models `_victims` names to
+        make room. The lock is held only for a swap itself: while not enough models can go
         yet (each loaded too recently, or being loaded for its own waiters), the waiter lets
         go of it and tries again when a request ends or a second passes, so that the waiters
         of a model loaded meanwhile are never stuck behind it."""
-        limit = self._settings.max_loaded or len(self._slots)
         while True:
             async with self._swap:
                 if slot.manager.loaded and not slot.leaving:
                     return  # another waiter of this model loaded it meanwhile
-                evicted = False
-                if self._loaded_count() >= limit and (victim := self._victim()) is not None:
-                    await self._unload(victim, "swap")
-                    evicted = True
-                if self._loaded_count() < limit:
+                victims = self._victims(slot)
+                if victims is not None:
+                    for victim in victims:
+                        await self._unload(victim, "swap")
                     slot.loaded_at = self._clock()
-                    slot.swaps += evicted
-                    log.info("model.loading", model=slot.entry.name, swap=evicted,
+                    slot.swaps += bool(victims)
+                    log.info("model.loading", model=slot.entry.name, swap=bool(victims),
+                             unloaded=[victim.entry.name for victim in victims],
                              waiting=slot.queued)
                     slot.manager.load()
                     return
@@ -174,22 +183,39 @@ class Residency:
                 async with asyncio.timeout(1.0):
                     await self._released.wait()  # or time passes (min_resident_s)
 
-    def _loaded_count(self) -> int:
-        return sum(slot.manager.loaded for slot in self._slots.values())
+    def _room(self, slot: _Slot, going: list[_Slot]) -> bool:
+        """Whether `slot`'s model may be loaded once the `going` models are unloaded: within
+        max_loaded, and its reservation fits beside those that stay."""
+        staying = [other.entry.name for other in self._slots.values()
+                   if other.manager.loaded and other not in going]
+        if len(staying) >= (self._settings.max_loaded or len(self._slots)):
+            return False
+        return self._plan is None or self._plan.fits([*staying, slot.entry.name])
+
+    def _victims(self, slot: _Slot) -> list[_Slot] | None:
+        """The models to unload for `slot`'s: the fewest, in the order `_candidates` gives,
+        that make room (none where there is room already); None where those that may go now
+        do not make enough (nothing is drained for a load that could not happen yet)."""
+        going: list[_Slot] = []
+        for candidate in self._candidates():
+            if self._room(slot, going):
+                break
+            going.append(candidate)
+        return going if self._room(slot, going) else None
 
     def _idle(self, slot: _Slot) -> bool:
         return slot.manager.loaded and not slot.entry.pinned and not slot.leaving \
             and slot.leases == 0 and slot.queued == 0
 
-    def _victim(self) -> _Slot | None:
-        """The model to unload: among those loaded at least min_resident_s ago, not pinned and
-        with no request waiting for their load to finish, an idle one before a busy one, the
-        least recently used first."""
+    def _candidates(self) -> list[_Slot]:
+        """The models that may be unloaded, in the order they go: among those loaded at least
+        min_resident_s ago, not pinned and with no request waiting for their load to finish,
+        the idle ones before the busy ones, the least recently used first."""
         now = self._clock()
         loaded = [slot for slot in self._slots.values()
                   if slot.manager.loaded and not slot.entry.pinned and not slot.leaving
                   and slot.queued == 0 and now - slot.loaded_at >= self._settings.min_resident_s]
-        return min(loaded, key=lambda slot: (not self._idle(slot), slot.last_used), default=None)
+        return sorted(loaded, key=lambda slot: (not self._idle(slot), slot.last_used))
 
     async def _unload(self, slot: _Slot, cause: str) -> None:
         """Drain `slot`'s model (its new requests wait for its next load; those in flight
@@ -232,10 +258,12 @@ class Residency:
         slot = self._slots[model]
         return {"loaded": slot.manager.loaded, "in_use": slot.leases, "queued": slot.queued,
                 "idle_s": round(self._clock() - slot.last_used, 1), "swaps_in": slot.swaps,
-                "unloads": dict(slot.unloads)}
+                "unloads": dict(slot.unloads)} | (
+                    {} if self._plan is None
+                    else {"reserved_bytes": self._plan.reservations[model]})
 
     def collector(self) -> Collector:
-        return _ResidencyCollector(self._slots)
+        return _ResidencyCollector(self._slots, self._plan)
 
 
 def _unavailable(slot: _Slot, message: str) -> EngineUnavailable:
@@ -247,8 +275,9 @@ def _unavailable(slot: _Slot, message: str) -> EngineUnavailable:
 class _ResidencyCollector(Collector):
     """appliance_model_* series, read at scrape time."""
 
-    def __init__(self, slots: dict[str, _Slot]) -> None:
+    def __init__(self, slots: dict[str, _Slot], plan: MemoryPlan | None) -> None:
         self._slots = slots
+        self._plan = plan
 
     def collect(self) -> Iterator[Metric]:
         loaded = GaugeMetricFamily("appliance_model_loaded", "1 while residency keeps the "
@@ -267,3 +296,13 @@ class _ResidencyCollector(Collector):
             for cause in ("swap", "idle"):
                 unloads.add_metric([name, cause], float(slot.unloads[cause]))
         yield from (loaded, queued, swaps, unloads)
+        if self._plan is not None:
+            reserved = GaugeMetricFamily("appliance_model_reserved_bytes", "The model's "
+                                         "reservation, as the planner counts it.",
+                                         labels=["model"])
+            for name, size in self._plan.reservations.items():
+                reserved.add_metric([name], float(size))
+            yield reserved
+            yield GaugeMetricFamily("appliance_residency_capacity_bytes", "The memory the "
+                                    "loaded models' reservations share.",
+                                    value=float(self._plan.capacity_bytes))

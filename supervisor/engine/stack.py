@@ -5,7 +5,6 @@ catalog gets one, so that one model's fault, restart or quarantine never touches
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -65,10 +64,10 @@ class ModelStack:
 
 
 def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: GpuWatch | None,
-                reservation: Callable[[Settings], Reservation | None], *,
-                loaded: bool = True) -> ModelStack:
+                reservation: Reservation | None, *, loaded: bool = True) -> ModelStack:
     """`settings` is the whole tree; the stack reads it with the model's own engine settings.
-    `loaded`: start a worker at once (else when residency loads the model)."""
+    `reservation`: its sized GPU share (None on the CPU, or unsized). `loaded`: start a worker
+    at once (else when residency loads the model)."""
     own = entry.settings(settings)
     sup, engine = own.supervisor, own.engine
     prober = HttpProber(engine.base_url, engine.model_name, sup.health_timeout_s)
@@ -85,7 +84,7 @@ def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: Gpu
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(worker_settings(own, reservation(own), gpu.uuid if gpu else None),
+    launcher = build_launcher(worker_settings(own, reservation, gpu.uuid if gpu else None),
                               own.policy.allowed_media_hosts)
     # Each death's in-flight requests are counted against them: one that keeps killing the
     # engine is refused (request_quarantined) before it trips the crash-loop guard; one that

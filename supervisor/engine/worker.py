@@ -53,8 +53,8 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
         args += [Flag.MAX_NUM_SEQS, str(engine.max_num_seqs)]
     if cpu:
         # One process on the CPU: the multiprocess executor only costs memory there.
-        kv_bytes = engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-        args += [Flag.DISTRIBUTED_EXECUTOR_BACKEND, "uni", Flag.KV_CACHE_MEMORY_BYTES, str(kv_bytes)]
+        args += [Flag.DISTRIBUTED_EXECUTOR_BACKEND, "uni",
+                 Flag.KV_CACHE_MEMORY_BYTES, str(cpu_kv_cache_bytes(engine))]
     else:
         # None: serve could not size it (logged); vLLM's own default applies.
         if engine.gpu_memory_utilization is not None:
@@ -82,6 +82,17 @@ def build_command(engine: EngineSettings, media_hosts: list[str] | None = None) 
     if engine.tokenizer_info:
         args.append(Flag.ENABLE_TOKENIZER_INFO_ENDPOINT)  # read-only: the chat template, specials
     return args + list(engine.extra_args)
+
+
+def cpu_kv_cache_bytes(engine: EngineSettings) -> int:
+    """The KV cache a CPU worker gets: VLLM_CPU_KVCACHE_SPACE (GiB) where its environment sets
+    it (vLLM's CPU platform puts it over the flag; vllm/platforms/cpu.py, read from source),
+    else the --kv-cache-memory-bytes always passed there."""
+    space = {**os.environ, **engine.env}.get(Env.CPU_KVCACHE_SPACE, "")
+    with contextlib.suppress(ValueError):  # not a number: vLLM refuses it at its start
+        if space:
+            return int(space) * 1024**3
+    return engine.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
 
 
 def build_env(engine: EngineSettings) -> dict[str, str]:

@@ -11,15 +11,14 @@ import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import psutil
 import pytest
 
-from load.kit.appliance import Appliance, running_appliance
+from load.kit.appliance import Appliance
 from load.kit.completions import stream_completion
-from load.kit.two_models import gemma_installed, one_at_a_time
+from load.kit.two_models import gemma_installed, models, one_at_a_time, serving
 from tests.metrics_text import value
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]
@@ -36,17 +35,8 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     tmp_path = tmp_path_factory.mktemp("residency")
     config = one_at_a_time(tmp_path / "residency.toml", min_resident_s=2.0, load_wait_s=240.0,
                            gemma_keep_alive_s=KEEP_ALIVE_S)
-    with running_appliance(tmp_path, {"CHAT_APPLIANCE_CONFIG": str(config)}) as appliance:
-        appliance.wait_ready()
-        deadline = time.monotonic() + 300
-        while models(appliance)["smollm2"]["state"] != "ready":
-            assert time.monotonic() < deadline, appliance.tail()
-            time.sleep(0.2)
+    with serving(tmp_path, config) as appliance:
         yield appliance
-
-
-def models(appliance: Appliance) -> dict[str, Any]:
-    return dict(appliance.health().json()["models"])
 
 
 def stream(appliance: Appliance, model: str) -> tuple[str, float, float, bool]:

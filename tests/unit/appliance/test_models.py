@@ -130,10 +130,12 @@ def test_a_bad_catalog_stops_start_up_naming_what_is_wrong(
 async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: bool | None = None,
                      catalog: bool = True, residency: Any = None,
                      default_pinned: bool | None = None,
-                     clients: list[dict[str, Any]] | None = None) -> AsyncIterator[tuple[
+                     clients: list[dict[str, Any]] | None = None,
+                     smol: dict[str, Any] | None = None,
+                     more: dict[str, Any] | None = None) -> AsyncIterator[tuple[
                          httpx.AsyncClient, dict[str, SyntheticWorker], dict[str, FakeEngine]]]:
     """The app in front of two synthetic workers: gemma (default, window 1024) and smol
-    (window 2048)."""
+    (window 2048). `smol`: more of smol's table; `more`: more settings (groups replaced)."""
     workers = {"gemma": SyntheticWorker(4, 0.0, "gemma"), "smol": SyntheticWorker(4, 0.0, "smol")}
     workers["gemma"].max_model_len = 1024
     ports = {name: free_port() for name in workers}
@@ -150,7 +152,9 @@ async def two_models(smol_state: EngineState = EngineState.READY, *, pinned: boo
             models["smol"]["pinned"] = pinned
         if default_pinned is not None:
             models["gemma"]["pinned"] = default_pinned
-        settings = Settings(models=models if catalog else {}, admission={"clients": clients or []})
+        models["smol"] |= smol or {}
+        settings = Settings(**{"models": models if catalog else {},
+                               "admission": {"clients": clients or []}} | (more or {}))
         app = create_app(settings, engines["gemma"], models=engines if catalog else None,
                          residency=residency)
         port = free_port()

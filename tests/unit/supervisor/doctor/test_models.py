@@ -79,12 +79,14 @@ def test_each_models_reservation_is_checked_with_its_own_settings(tmp_path: Path
     assert per_model["smol"].detail["window"] == 2048 and per_model["again"].detail["window"] == 512
     assert per_model["again"].message.startswith("model again: ")
     together = findings[-1]
-    assert together.level is Level.OK and "the 2 models loaded at once" in together.message
+    assert together.level is Level.OK and "the 2 largest models reserve" in together.message
 
 
-def test_models_that_cannot_be_loaded_together_are_a_blocker(tmp_path: Path) -> None:
-    """0.6 of the card each: either fits alone, both never do; with one loaded at a time
-    (residency.max_loaded = 1) they do."""
+def test_models_that_cannot_be_loaded_together_are_swapped_unless_one_is_pinned(
+        tmp_path: Path) -> None:
+    """0.6 of the card each: either fits alone, both never do. With the default pinned the
+    other can never be loaded beside it (a blocker, as serve refuses it); unpinned, residency
+    swaps them."""
     box = gpu_box(tmp_path / "root")
     box.memory = GpuMemory(total_bytes=24 * GIB, free_bytes=int(21.6 * GIB))
     settings = gpu_catalog(tmp_path, gpu_memory_utilization=0.6)
@@ -92,10 +94,13 @@ def test_models_that_cannot_be_loaded_together_are_a_blocker(tmp_path: Path) -> 
     assert [f.level for f in findings[:2]] == [Level.OK, Level.OK]
     together = findings[-1]
     assert together.level is Level.BLOCKER and together.refuses_start
-    assert "gpu_memory_max_share" in together.fix
+    assert "pinned" in together.message and "again, smol" in together.message
+    settings.models["smol"].pinned = False
+    swapped = check_models_gpu_memory(box, settings)[-1]
+    assert swapped.level is Level.OK and "swaps them" in swapped.message
     one_at_a_time = settings.model_copy(update={"residency": settings.residency.model_copy(
         update={"max_loaded": 1})})
-    assert check_models_gpu_memory(box, one_at_a_time)[-1].level is Level.OK
+    assert "they fit together" in check_models_gpu_memory(box, one_at_a_time)[-1].message
 
 
 def test_one_model_is_checked_as_before(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Residency: at most max_loaded models loaded; a request for another waits in its model's
-bounded queue while the least recently used idle model is unloaded; idle models past
+"""Residency: at most max_loaded models loaded, their reservations within the planner's
+capacity; a request for another waits in its model's bounded queue while the least recently
+used idle models are unloaded until it fits; idle models past
 keep_alive_s are unloaded; pinned models never are. Over fake managers that change state as the
 engine manager does (starting, then ready; unloaded once stopped)."""
 
@@ -16,6 +17,7 @@ from appliance.core.catalog import CatalogEntry, ResidencySettings
 from appliance.core.engine import EngineState
 from appliance.core.errors import EngineUnavailable, TooManyRequests
 from appliance.core.sections import EngineSettings
+from supervisor.engine.planner import MemoryPlan
 from supervisor.engine.residency import Residency
 from tests.metrics_text import value
 
@@ -82,13 +84,14 @@ def entry(name: str, *, pinned: bool = False, keep_alive_s: float | None = None)
 
 def residency(loaded: dict[str, bool], clock: Callable[[], float] | None = None,
               pinned: tuple[str, ...] = (), keep: dict[str, float] | None = None,
-              **settings: float) -> tuple[Residency, dict[str, FakeManager]]:
+              plan: MemoryPlan | None = None,
+              **settings: float | None) -> tuple[Residency, dict[str, FakeManager]]:
     managers = {name: FakeManager(is_loaded) for name, is_loaded in loaded.items()}
     entries = [entry(name, pinned=name in pinned, keep_alive_s=(keep or {}).get(name))
                for name in loaded]
     config = ResidencySettings(**{"max_loaded": 1, "min_resident_s": 0.0} | settings)
     return Residency(list(zip(entries, managers.values(), strict=True)), config,
-                     **({"clock": clock} if clock else {})), managers
+                     **({"clock": clock} if clock else {}), plan=plan), managers
 
 
 async def test_a_loaded_model_is_leased_at_once_without_a_load() -> None:
@@ -239,3 +242,72 @@ async def test_waiters_of_a_model_loaded_meanwhile_are_not_stuck_behind_another_
         release()
     (await asyncio.wait_for(again_a, 2.5))()
     assert is_loaded(managers["a"]) and not is_loaded(managers["b"])
+
+
+def sized(capacity: int, **reservations: int) -> MemoryPlan:
+    return MemoryPlan(capacity, "residency.memory_bytes", reservations)
+
+
+async def test_a_model_that_does_not_fit_beside_the_loaded_one_swaps_it_out() -> None:
+    """No max_loaded: the capacity, just under the two reservations' sum, is the limit."""
+    res, managers = residency({"a": True, "b": False}, plan=sized(99, a=50, b=50),
+                              max_loaded=None)
+    (await res.acquire("b"))()
+    assert not is_loaded(managers["a"]) and is_loaded(managers["b"])
+    assert res.snapshot("b")["swaps_in"] == 1 and res.snapshot("a")["unloads"] == {"swap": 1}
+    assert res.snapshot("b")["reserved_bytes"] == 50
+
+
+async def test_a_model_that_fits_beside_the_loaded_ones_is_loaded_without_a_swap() -> None:
+    res, managers = residency({"a": True, "b": False}, plan=sized(100, a=50, b=50),
+                              max_loaded=None)
+    (await res.acquire("b"))()
+    assert is_loaded(managers["a"]) and is_loaded(managers["b"])
+    assert res.snapshot("b")["swaps_in"] == 0
+
+
+async def test_a_big_model_unloads_the_least_recently_used_until_it_fits() -> None:
+    clock = Clock()
+    res, managers = residency({"a": True, "b": True, "c": True, "big": False}, clock,
+                              plan=sized(100, a=30, b=30, c=30, big=60), max_loaded=None)
+    for name in ("c", "a", "b"):  # c least recently used, then a
+        clock.now += 1
+        (await res.acquire(name))()
+    (await res.acquire("big"))()
+    assert [name for name, m in managers.items() if is_loaded(m)] == ["b", "big"]
+    registry = CollectorRegistry()
+    registry.register(res.collector())
+    text = generate_latest(registry).decode()
+    assert value(text, "appliance_model_reserved_bytes", model="big") == 60
+    assert value(text, "appliance_residency_capacity_bytes") == 100
+
+
+async def test_max_loaded_still_caps_models_that_would_fit() -> None:
+    res, managers = residency({"a": True, "b": False}, plan=sized(100, a=10, b=10),
+                              max_loaded=1)
+    (await res.acquire("b"))()
+    assert not is_loaded(managers["a"]) and is_loaded(managers["b"])
+
+
+async def test_nothing_is_drained_while_not_enough_can_go_and_the_wait_is_bounded() -> None:
+    """big needs a and b gone; b was loaded too recently: a must stay loaded (draining it
+    would free nothing big can use), and big's request gets a 503 in time, not a hang."""
+    clock = Clock()
+    res, managers = residency({"a": True, "b": False, "big": False}, clock,
+                              plan=sized(100, a=40, b=40, big=70), max_loaded=None,
+                              min_resident_s=30.0, load_wait_s=0.3)
+    clock.now += 31
+    (await res.acquire("b"))()  # b loaded now, beside a
+    with pytest.raises(EngineUnavailable) as late:
+        await res.acquire("big")
+    assert late.value.retry_after_s == 3
+    assert is_loaded(managers["a"]) and is_loaded(managers["b"]) and not is_loaded(managers["big"])
+    assert res.snapshot("a")["unloads"] == {}
+
+
+def test_at_start_the_pinned_models_then_those_that_fit_in_order_are_loaded() -> None:
+    entries = [entry("a"), entry("b", pinned=True), entry("c"), entry("d")]
+    plan = sized(100, a=60, b=30, c=50, d=20)
+    assert Residency.initially_loaded(entries, ResidencySettings(), plan) == {"b", "a"}
+    assert Residency.initially_loaded(entries, ResidencySettings(max_loaded=2),
+                                      sized(100, a=80, b=30, c=50, d=20)) == {"b", "c"}
