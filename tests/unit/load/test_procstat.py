@@ -8,8 +8,9 @@ import sys
 from load.kit.procstat import cpu_ns, thread_cpu_ns
 
 # A child whose thread burns CPU and ends; it prints what that thread used, then waits.
+# join() returns before the kernel has reaped the thread: its task is waited out before the print.
 CHILD = """
-import sys, threading, time
+import os, sys, threading, time
 used = []
 def burn():
     while time.thread_time_ns() < 50_000_000:
@@ -18,6 +19,8 @@ def burn():
 thread = threading.Thread(target=burn)
 thread.start()
 thread.join()
+while len(os.listdir("/proc/self/task")) > 1:
+    time.sleep(0.001)
 print(used[0], flush=True)
 sys.stdin.read()
 """
