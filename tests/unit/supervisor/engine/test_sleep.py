@@ -123,6 +123,7 @@ async def test_a_failed_wake_up_stops_the_worker_and_starts_a_new_one() -> None:
         manager.load()
         await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
         assert launcher.workers[0].returncode is not None  # the one that failed to wake: stopped
+        assert routes.calls == [SLEEP, "POST /wake_up"]
         assert manager.sleep_counts == {"slept": 1, "wake_failed": 1} and manager.restarts == 0
         assert manager.last_exit is not None and "wake_up failed" in manager.last_exit.detail
         manager.request_stop()
