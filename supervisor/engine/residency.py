@@ -9,7 +9,9 @@ one is drained: its new requests wait for its next load while those in flight fi
 stream is cut). None loaded less than `min_resident_s` ago is chosen (no thrash), so
 requests for one model wait together and are served together by its one load. A full queue
 is a 429, a load not done within `load_wait_s` a 503, both with Retry-After: never a hang. A
-model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded.
+model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded. A model
+with sleep mode (models.<name>.sleep) is put to sleep instead of stopped, and woken instead of
+started (supervisor.engine.resting); asleep, it is not loaded and reserves nothing here.
 
 The API holds a lease on its model for each request's whole life (appliance.core.engine's
 Residency); a lease is what makes a model busy here.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -87,15 +88,36 @@ async def test_a_500_no_answer_or_a_worker_still_asleep_is_a_failure_naming_why(
 
 # --- the engine manager ---------------------------------------------------------------------
 
-async def test_unload_puts_the_worker_to_sleep_and_load_wakes_the_same_worker() -> None:
+@dataclass
+class Unloaded:
+    """A serving manager with sleep mode, the moment after residency's unload()."""
+
+    manager: EngineManager
+    launcher: FakeLauncher
+    routes: SleepRoutes
+    clock: FakeClock
+
+
+@asynccontextmanager
+async def unloaded(fail: str | None = None, **supervisor: float) -> AsyncIterator[Unloaded]:
     clock, launcher = FakeClock(), FakeLauncher()
-    async with worker_routes() as (routes, ask):
-        manager = make_manager(launcher, clock, sleeper=SleepMode(ask, 5.0), hang_stall_s=5)
+    async with worker_routes(fail) as (routes, ask):
+        manager = make_manager(launcher, clock, sleeper=SleepMode(ask, 5.0), **supervisor)
         task = asyncio.create_task(manager.run())
-        await until(lambda: manager.state is EngineState.READY)
-        manager.unload()
+        try:
+            await until(lambda: manager.state is EngineState.READY)
+            manager.unload()
+            yield Unloaded(manager, launcher, routes, clock)
+        finally:
+            manager.request_stop()
+            await task
+
+
+async def test_unload_puts_the_worker_to_sleep_and_load_wakes_the_same_worker() -> None:
+    async with unloaded(hang_stall_s=5) as it:
+        manager, routes, clock = it.manager, it.routes, it.clock
         await until(lambda: manager.state is EngineState.SLEEPING)
-        worker = launcher.current
+        worker = it.launcher.current
         assert routes.calls == [SLEEP] and routes.sleeping
         assert worker.returncode is None and worker.stopped_with is None
         # Asleep, its /health fails and its engine looks busy and frozen: nothing reads them.
@@ -106,62 +128,42 @@ async def test_unload_puts_the_worker_to_sleep_and_load_wakes_the_same_worker() 
         manager.load()
         await until(lambda: manager.state is EngineState.READY)
         assert routes.calls == [SLEEP, "POST /wake_up"] and not routes.sleeping
-        assert (manager.pid, len(launcher.workers), manager.restarts) == (100, 1, 0)
+        assert (manager.pid, len(it.launcher.workers), manager.restarts) == (100, 1, 0)
         assert manager.sleep_counts == {"slept": 1, "woke": 1}
-        manager.request_stop()
-        await task
 
 
 async def test_a_failed_wake_up_stops_the_worker_and_starts_a_new_one() -> None:
-    clock, launcher = FakeClock(), FakeLauncher()
-    async with worker_routes(fail="wake_up") as (routes, ask):
-        manager = make_manager(launcher, clock, sleeper=SleepMode(ask, 5.0))
-        task = asyncio.create_task(manager.run())
-        await until(lambda: manager.state is EngineState.READY)
-        manager.unload()
+    async with unloaded(fail="wake_up") as it:
+        manager = it.manager
         await until(lambda: manager.state is EngineState.SLEEPING)
         manager.load()
         await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
-        assert launcher.workers[0].returncode is not None  # the one that failed to wake: stopped
-        assert routes.calls == [SLEEP, "POST /wake_up"]
+        assert it.launcher.workers[0].returncode is not None  # it failed to wake: stopped
+        assert it.routes.calls == [SLEEP, "POST /wake_up"]
         assert manager.sleep_counts == {"slept": 1, "wake_failed": 1} and manager.restarts == 0
         assert manager.last_exit is not None and "wake_up failed" in manager.last_exit.detail
-        manager.request_stop()
-        await task
 
 
 async def test_a_failed_sleep_stops_the_worker_as_without_sleep_mode() -> None:
-    clock, launcher = FakeClock(), FakeLauncher()
-    async with worker_routes(fail="sleep") as (_, ask):
-        manager = make_manager(launcher, clock, sleeper=SleepMode(ask, 5.0))
-        task = asyncio.create_task(manager.run())
-        await until(lambda: manager.state is EngineState.READY)
-        manager.unload()
+    async with unloaded(fail="sleep") as it:
+        manager = it.manager
         await until(lambda: manager.state is EngineState.UNLOADED)
-        assert launcher.current.returncode is not None and len(launcher.workers) == 1
+        assert it.launcher.current.returncode is not None and len(it.launcher.workers) == 1
         assert manager.sleep_counts == {"sleep_failed": 1} and manager.restarts == 0
         manager.load()
         await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
-        manager.request_stop()
-        await task
 
 
 async def test_a_worker_that_dies_asleep_is_a_crash_and_stays_down_until_its_load() -> None:
-    clock, launcher = FakeClock(), FakeLauncher()
-    async with worker_routes() as (_, ask):
-        manager = make_manager(launcher, clock, sleeper=SleepMode(ask, 5.0))
-        task = asyncio.create_task(manager.run())
-        await until(lambda: manager.state is EngineState.READY)
-        manager.unload()
+    async with unloaded() as it:
+        manager = it.manager
         await until(lambda: manager.state is EngineState.SLEEPING)
-        launcher.current.exit(-9)
+        it.launcher.current.exit(-9)
         await until(lambda: manager.state is EngineState.UNLOADED)
-        assert manager.restart_counts == {"exited": 1} and len(launcher.workers) == 1
+        assert manager.restart_counts == {"exited": 1} and len(it.launcher.workers) == 1
         assert manager.last_exit is not None and "SIGKILL" in manager.last_exit.detail
         manager.load()
         await until(lambda: manager.state is EngineState.READY and manager.pid == 110)
-        manager.request_stop()
-        await task
 
 
 # --- residency over the real managers -------------------------------------------------------
