@@ -59,6 +59,10 @@ class ModelSettings(BaseModel):
     # queue (admission.queue_max, queue_wait_s), never holding up another model's. None: only
     # policy.max_inflight and the clients' limits, which hold as well.
     max_inflight: int | None = Field(None, ge=1)
+    # On a CUDA GPU, residency puts this model's worker to sleep (vLLM's sleep mode, level 1:
+    # weights kept in host memory) instead of stopping it, and wakes it instead of starting one.
+    # Refused at start-up on the CPU, where vLLM has no sleep mode.
+    sleep: bool = False
 
 
 class ResidencySettings(BaseModel):
@@ -77,6 +81,9 @@ class ResidencySettings(BaseModel):
     # A model loaded this recently is not unloaded for another (no thrash between two).
     min_resident_s: float = Field(10.0, ge=0)
     idle_check_s: float = Field(1.0, gt=0)  # how often keep_alive_s is checked
+    # A sleep or a wake-up (models.<name>.sleep) not answered this soon fails: the worker is
+    # stopped instead, or stopped and started afresh.
+    sleep_timeout_s: float = Field(60.0, gt=0)
 
 
 # The per-model fields that replace [engine]'s field of the same name where they are set.
@@ -89,7 +96,7 @@ def check_catalog(models: dict[str, ModelSettings], engine: EngineSettings,
                   residency: ResidencySettings | None = None) -> None:
     """Raise ValueError, naming the clash, where the catalog is not one name per model: two
     models claim a name, or more than one is the default; or more models are pinned than may
-    be loaded at once."""
+    be loaded at once; or a model asks for sleep mode off a CUDA GPU."""
     claimed: dict[str, str] = {}
     for name, model in models.items():
         if not re.match(MODEL_NAME_PATTERN, name):
@@ -113,6 +120,11 @@ def check_catalog(models: dict[str, ModelSettings], engine: EngineSettings,
         if len(pinned) > most:
             raise ValueError(f"residency.max_loaded is {most}, but {len(pinned)} models are "
                              f"pinned ({', '.join(pinned)}): pinned models are always loaded")
+    sleepers = [name for name, model in models.items() if model.sleep]
+    if sleepers and engine.resolved_device() != "cuda":
+        raise ValueError(f"models.{sleepers[0]}.sleep = true needs a CUDA GPU (vLLM's sleep "
+                         f"mode), but the engine runs on the {engine.resolved_device()}: "
+                         "remove the setting")
     if not models and engine.model_name in engine.served_model_aliases:
         raise ValueError("engine.served_model_aliases repeats the model's own name")
 
@@ -129,6 +141,7 @@ class CatalogEntry:
     engine: EngineSettings  # its worker's settings: [engine] with the model's own over them
     multimodal: str | None = None  # its own policy.multimodal; None: [policy]'s
     max_inflight: int | None = None  # its own admission cap (appliance.admission.slots)
+    sleep: bool = False  # residency puts its worker to sleep instead of stopping it
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -198,4 +211,4 @@ def _entry(engine: EngineSettings, name: str, model: ModelSettings, index: int) 
     return CatalogEntry(name, tuple(model.aliases), default=index == 0,
                         pinned=pinned, keep_alive_s=model.keep_alive_s,
                         engine=engine.model_copy(update=update), multimodal=model.multimodal,
-                        max_inflight=model.max_inflight)
+                        max_inflight=model.max_inflight, sleep=model.sleep)

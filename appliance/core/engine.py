@@ -22,6 +22,7 @@ class EngineState(enum.StrEnum):
     FAILED = "failed"
     STOPPED = "stopped"
     UNLOADED = "unloaded"  # residency stopped its worker; a request for it loads it again
+    SLEEPING = "sleeping"  # residency put its worker to sleep; a request for it wakes it
 
 
 class Pending(Protocol):

@@ -53,6 +53,7 @@ class Flag(StrEnum):
     ENABLE_TOKENIZER_INFO_ENDPOINT = "--enable-tokenizer-info-endpoint"
     SCHEDULING_POLICY = "--scheduling-policy"
     NUMA_BIND = "--numa-bind"  # the template reads it: a NUMA-bound EngineCore must be spawned
+    ENABLE_SLEEP_MODE = "--enable-sleep-mode"  # CUDA, ROCm and XPU only (vllm/config/model.py)
 
 
 class Env(StrEnum):
@@ -66,6 +67,21 @@ class Env(StrEnum):
     CPU_OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
     NO_USAGE_STATS = "VLLM_NO_USAGE_STATS"
     CPU_KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"  # GiB; read, not set (the planner's sizing)
+    SERVER_DEV_MODE = "VLLM_SERVER_DEV_MODE"  # "1": the server adds its dev routes, /sleep's among them
+
+
+# vLLM's sleep mode (vllm/entrypoints/serve/dev/sleep/api_router.py), served only where
+# SERVER_DEV_MODE is set. POST SLEEP_PATH answers {"status": "sleeping", "level": n}; POST
+# WAKE_UP_PATH {"status": "awake" | "sleeping", "tags": [...] | null} ("sleeping" while some
+# tag is still asleep); GET IS_SLEEPING_PATH {"is_sleeping": bool}. Level 1 moves the weights to
+# host memory and discards the KV cache; mode "wait" lets requests in flight finish first.
+SLEEP_PATH = "/sleep?level=1&mode=wait"
+WAKE_UP_PATH = "/wake_up"
+IS_SLEEPING_PATH = "/is_sleeping"
+# The dev routes clients must never reach (the API has no route to any of them).
+DEV_PATHS = ("/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
+             "/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+             "/server_info")
 
 
 class Metric(StrEnum):

@@ -18,6 +18,7 @@ vLLM's answers are in load/kit/vllm_shapes.py):
                  crashing worker drops it: a client that reuses it at once loses its request.
   --die-on TEXT  a generation request holding TEXT kills the whole worker (SIGKILL to itself),
                  as an input that crashes the engine does (the quarantine's tests).
+  --sleep-mode   vLLM's sleep-mode routes (load/kit/synthetic_sleep.py), a step failing on ask.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from urllib.parse import parse_qs
 import uvicorn
 
 from load.kit import vllm_shapes as shapes
+from load.kit.synthetic_sleep import SleepRoutes
 
 Scope = dict[str, Any]
 MAX_MODEL_LEN = 2048
@@ -50,7 +52,8 @@ FINGERPRINT = "vllm-synthetic-0000"
 
 class SyntheticWorker:
     def __init__(self, tokens: int, token_delay_s: float, model: str, *, faults: bool = False,
-                 root: str | None = None, die_on: str | None = None) -> None:
+                 root: str | None = None, die_on: str | None = None,
+                 sleep: SleepRoutes | None = None) -> None:
         self.tokens = tokens
         self.die_on = die_on
         self.delay = token_delay_s
@@ -68,6 +71,7 @@ class SyntheticWorker:
         self.received: list[tuple[str, dict[str, Any]]] = []  # (path, body) of generations
         self.stored: dict[str, dict[str, Any]] = {}  # responses by id, as vLLM's store
         self.headers: list[dict[str, str]] = []  # of the generations, in order
+        self.sleep = sleep  # vLLM's sleep-mode routes, as under VLLM_SERVER_DEV_MODE=1
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -93,6 +97,8 @@ class SyntheticWorker:
             await self._complete(scope, receive, send, request)
         elif path.startswith("/v1/responses/") or path in _SMALL:
             await self._small(path, scope, json.loads(body or b"{}"), send)
+        elif self.sleep is not None and (slept := self.sleep.answer(scope)) is not None:
+            await _raw(send, slept[0], slept[1], slept[2])
         elif path == "/health":
             await _json(send, 200, {})
         elif path == "/v1/models":
@@ -399,14 +405,19 @@ def main() -> None:
     parser.add_argument("--faults", action="store_true", help="vLLM's 400s and crashes (see above)")
     parser.add_argument("--die-on", help="a generation request holding this text kills the "
                                          "worker (SIGKILL), as a poison input crashes an engine")
+    parser.add_argument("--sleep-mode", choices=("on", "fail-sleep", "fail-wake-up"),
+                        help="serve vLLM's /sleep, /wake_up and /is_sleeping (load/kit/"
+                             "synthetic_sleep.py); fail-*: that step answers vLLM's 500")
     parser.add_argument("--boot-s", type=float, default=0.0,
                         help="seconds before it listens, as a real engine loads its model")
     parser.add_argument("--uds", help="listen on this Unix socket too, as vLLM's --uds (the "
                                       "appliance's way in; the port stays for direct runs)")
     args = parser.parse_args()
     time.sleep(args.boot_s)
+    sleep = None if args.sleep_mode is None else SleepRoutes(
+        {"on": None, "fail-sleep": "sleep", "fail-wake-up": "wake_up"}[args.sleep_mode])
     app = SyntheticWorker(args.tokens, args.token_delay, args.model, faults=args.faults,
-                          die_on=args.die_on)
+                          die_on=args.die_on, sleep=sleep)
     if args.uds is None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
         return

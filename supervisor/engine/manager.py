@@ -2,7 +2,8 @@
 
 starting → ready → stopping → backoff → starting …, `failed` after a crash loop (N restarts in
 a window) or a lost GPU, `draining` then `stopped` on shutdown, `unloaded` while residency
-(supervisor.engine.residency) wants no worker. What declares a worker dead: its exit (seen at
+(supervisor.engine.residency) wants no worker, or `sleeping` where the model sleeps instead
+(supervisor.engine.sleep). What declares a worker dead: its exit (seen at
 once), or the first monitor (supervisor/monitors/) that returns a cause.
 """
 
@@ -24,6 +25,8 @@ from appliance.core.settings import Settings
 from supervisor.engine.backoff import Backoff, CrashLoop
 from supervisor.engine.exits import ExitCause, ExitReason, Phase, process_exit
 from supervisor.engine.parts import BootProber, Forensics, GpuMemory, Launcher
+from supervisor.engine.resting import Resting
+from supervisor.engine.sleep import SleepMode
 from supervisor.engine.worker import Worker
 from supervisor.monitors import Monitor
 
@@ -34,7 +37,7 @@ Transition = Callable[[EngineState, EngineState, str], None]
 PhaseTiming = Callable[[str, float], None]
 
 
-class EngineManager:
+class EngineManager(Resting):
     """Owns the worker's life; the API reads it through appliance.core.engine.EngineView."""
 
     def __init__(
@@ -51,12 +54,15 @@ class EngineManager:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
         loaded: bool = True,
+        sleeper: SleepMode | None = None,
     ) -> None:
         self._settings = settings
         self._sup = sup = settings.supervisor
         self._launcher = launcher
         self._prober = prober
         self._monitors = monitors
+        self._sleeper = sleeper  # residency's unload puts the worker to sleep (sleep mode)
+        self.sleep_counts: Counter[str] = Counter()
         self._gpu = gpu
         self.waiting = Waiting() if waiting is None else waiting  # the API's requests (EngineView)
         self._forensics = forensics
@@ -194,16 +200,6 @@ class EngineManager:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
-    def load(self) -> None:
-        """Start a worker for the model (from `unloaded`); a no-op if one is wanted already."""
-        self.loaded = True
-        self._wake.set()
-
-    def unload(self) -> None:
-        """No worker until load(): its memory given back (residency: when nothing is in flight)."""
-        self.loaded = False
-        self._wake.set()
-
     def request_stop(self) -> None:
         self._stop_requested = True
         self._wake.set()
@@ -284,7 +280,7 @@ class EngineManager:
     def _on_exit(self, worker: Worker) -> None:
         """Runs the moment the worker exits: the API must answer 503 at once, not at next probe."""
         if worker is self._worker and self._state in (EngineState.READY, EngineState.STARTING,
-                                                      EngineState.DRAINING):
+                                                      EngineState.DRAINING, EngineState.SLEEPING):
             self._fire_lost()
             phase: Phase = "boot" if self._state is EngineState.STARTING else "running"
             # /health shows the cause at once; the full record follows once the tree is reaped.
@@ -322,7 +318,10 @@ class EngineManager:
             if self._stop_requested:
                 return ExitCause("running", ExitReason.STOPPED, "stop requested")
             if not self.loaded:
-                return ExitCause("running", ExitReason.UNLOADED, "unloaded by residency")
+                cause = await self._doze(worker)
+                if cause is not None:
+                    return cause
+                continue
             for monitor in self._monitors:
                 cause = await monitor.check(worker)
                 if cause is not None:
@@ -393,14 +392,6 @@ class EngineManager:
         return cause
 
     # --- waiting and states -----------------------------------------------------------------
-
-    async def _hold_unloaded(self) -> None:
-        """`unloaded`: no worker until load() (or a stop)."""
-        self._retry_at = None
-        self._recovery = None
-        self._set_state(EngineState.UNLOADED, "unloaded by residency")
-        while not self._stop_requested and not self.loaded:
-            await self._nap(60.0)
 
     async def _hold_failed(self, until: float | None) -> None:
         """`failed`: no restart until the crash-loop window clears (or never, for a dead GPU)."""

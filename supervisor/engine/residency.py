@@ -9,7 +9,9 @@ one is drained: its new requests wait for its next load while those in flight fi
 stream is cut). None loaded less than `min_resident_s` ago is chosen (no thrash), so
 requests for one model wait together and are served together by its one load. A full queue
 is a 429, a load not done within `load_wait_s` a 503, both with Retry-After: never a hang. A
-model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded.
+model idle past its `keep_alive_s` is unloaded. Pinned models are never unloaded. A model
+with sleep mode (models.<name>.sleep) is put to sleep instead of stopped, and woken instead of
+started (supervisor.engine.resting); asleep, it is not loaded and reserves nothing here.
 
 The API holds a lease on its model for each request's whole life (appliance.core.engine's
 Residency); a lease is what makes a model busy here.
@@ -39,6 +41,8 @@ log = structlog.get_logger("supervisor.engine.residency")
 # A worker in these states is a fault being handled (restart, crash loop), not a swap: its
 # requests are told to come back, as with one model.
 _FAULTS = frozenset({EngineState.BACKOFF, EngineState.FAILED, EngineState.UNHEALTHY})
+# An unloaded model's worker is down in these: stopped, or asleep (models.<name>.sleep).
+_AWAY = frozenset({EngineState.UNLOADED, EngineState.SLEEPING})
 
 
 class Loadable(Protocol):
@@ -55,6 +59,9 @@ class Loadable(Protocol):
     def unload(self) -> None: ...
 
     def retry_after_s(self) -> int: ...
+
+    @property
+    def sleep_counts(self) -> Counter[str]: ...
 
     async def changed(self, timeout_s: float) -> None: ...
 
@@ -219,7 +226,7 @@ class Residency:
 
     async def _unload(self, slot: _Slot, cause: str) -> None:
         """Drain `slot`'s model (its new requests wait for its next load; those in flight
-        finish), then stop its worker and wait until it is down."""
+        finish), then stop its worker, or put it to sleep, and wait until it is down."""
         slot.leaving = True
         log.info("model.unloading", model=slot.entry.name, cause=cause, in_flight=slot.leases,
                  idle_s=round(self._clock() - slot.last_used, 1))
@@ -229,7 +236,7 @@ class Residency:
                     async with asyncio.timeout(1.0):
                         await self._released.wait()
             slot.manager.unload()
-            while slot.manager.state is not EngineState.UNLOADED:
+            while slot.manager.state not in _AWAY:
                 await slot.manager.changed(1.0)
         finally:
             slot.leaving = False
@@ -257,6 +264,8 @@ class Residency:
     def snapshot(self, model: str) -> dict[str, object]:
         slot = self._slots[model]
         return {"loaded": slot.manager.loaded, "in_use": slot.leases, "queued": slot.queued,
+                "sleeping": slot.manager.state is EngineState.SLEEPING,
+                "sleeps": dict(slot.manager.sleep_counts),
                 "idle_s": round(self._clock() - slot.last_used, 1), "swaps_in": slot.swaps,
                 "unloads": dict(slot.unloads)} | (
                     {} if self._plan is None
@@ -289,13 +298,19 @@ class _ResidencyCollector(Collector):
         unloads = CounterMetricFamily("appliance_model_unloads", "Unloads of the model, by "
                                       "cause (swap: another's turn; idle: keep_alive_s).",
                                       labels=["model", "cause"])
+        sleeps = CounterMetricFamily("appliance_model_sleeps", "Sleep-mode steps of the "
+                                     "model's worker (slept, woke; sleep_failed: stopped "
+                                     "instead; wake_failed: restarted instead).",
+                                     labels=["model", "step"])
         for name, slot in self._slots.items():
             loaded.add_metric([name], float(slot.manager.loaded))
+            for step in ("slept", "woke", "sleep_failed", "wake_failed"):
+                sleeps.add_metric([name, step], float(slot.manager.sleep_counts[step]))
             queued.add_metric([name], float(slot.queued))
             swaps.add_metric([name], float(slot.swaps))
             for cause in ("swap", "idle"):
                 unloads.add_metric([name, cause], float(slot.unloads[cause]))
-        yield from (loaded, queued, swaps, unloads)
+        yield from (loaded, queued, swaps, unloads, sleeps)
         if self._plan is not None:
             reserved = GaugeMetricFamily("appliance_model_reserved_bytes", "The model's "
                                          "reservation, as the planner counts it.",

@@ -14,10 +14,12 @@ from appliance.core.catalog import CatalogEntry
 from appliance.core.engine import Waiting
 from appliance.core.sections import EngineSettings
 from appliance.core.settings import Settings
+from appliance.fences.vllm import Env, Flag
 from supervisor.engine.gpu_budget import Reservation
 from supervisor.engine.launcher import TemplateLauncher, build_launcher
 from supervisor.engine.manager import EngineManager
 from supervisor.engine.probe import HttpProber
+from supervisor.engine.sleep import SleepMode
 from supervisor.engine.worker import ProcessLauncher
 from supervisor.forensics.recorder import Recorder
 from supervisor.gpu.device import device_env
@@ -84,7 +86,8 @@ def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: Gpu
     ]
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))
-    launcher = build_launcher(worker_settings(own, reservation, gpu.uuid if gpu else None),
+    launcher = build_launcher(worker_settings(own, reservation, gpu.uuid if gpu else None,
+                                              sleep=entry.sleep),
                               own.policy.allowed_media_hosts)
     # Each death's in-flight requests are counted against them: one that keeps killing the
     # engine is refused (request_quarantined) before it trips the crash-loop guard; one that
@@ -93,8 +96,9 @@ def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: Gpu
     forensics = Recorder(own, waiting, metrics=lambda: progress.stats,
                          gpu=lambda: gpu.summary() | {"gauges": gpu.gauges()} if gpu is not None
                          else {"status": "unavailable"}, deaths=api.quarantine.died)
+    sleeper = SleepMode(prober.ask, settings.residency.sleep_timeout_s) if entry.sleep else None
     manager = EngineManager(own, launcher, prober, monitors, gpu=gpu, waiting=waiting,
-                            forensics=forensics, loaded=loaded)
+                            forensics=forensics, loaded=loaded, sleeper=sleeper)
     # Each worker, once ready, answers the correctness canary in the background.
     canary = CanaryWatch(engine, own.canary, prober.ask, lambda: manager.pid)
     manager.listeners.append(canary.on_state)
@@ -103,16 +107,23 @@ def build_stack(settings: Settings, entry: CatalogEntry, api: ApiState, gpu: Gpu
 
 
 def worker_settings(settings: Settings, reservation: Reservation | None = None,
-                    gpu_uuid: str | None = None) -> EngineSettings:
-    """The engine's settings with the sized GPU reservation, on the GPU the monitor watches, and
-    vLLM's priority scheduler where clients have priorities (the operator's own engine.env and
-    engine.extra_args come after, and win)."""
+                    gpu_uuid: str | None = None, *, sleep: bool = False) -> EngineSettings:
+    """The engine's settings with the sized GPU reservation, on the GPU the monitor watches,
+    vLLM's priority scheduler where clients have priorities, and on a GPU its sleep mode where
+    the model sleeps (models.<name>.sleep; its /sleep and /wake_up are dev routes, on the
+    worker's private socket like all its routes). The operator's own engine.env and
+    engine.extra_args come after, and win."""
     engine = settings.engine
     update: dict[str, object] = {}
+    flags: list[str] = []
     if reservation is not None:
         update["gpu_memory_utilization"] = reservation.utilization
     if engine.resolved_device() == "cuda":
-        update["env"] = {**device_env(settings.gpu, gpu_uuid), **engine.env}
+        dev: dict[str, str] = {Env.SERVER_DEV_MODE: "1"} if sleep else {}
+        update["env"] = {**device_env(settings.gpu, gpu_uuid), **dev, **engine.env}
+        flags += [Flag.ENABLE_SLEEP_MODE] if sleep else []
     if settings.admission.engine_priority():
-        update["extra_args"] = ["--scheduling-policy", "priority", *engine.extra_args]
+        flags += ["--scheduling-policy", "priority"]
+    if flags:
+        update["extra_args"] = [*flags, *engine.extra_args]
     return engine.model_copy(update=update)

@@ -67,6 +67,7 @@
     draining: "the appliance is shutting down: requests in flight finish, new ones get 503",
     stopped: "the engine is stopped",
     unloaded: "the model is not loaded (residency); a request for it loads it",
+    sleeping: "the model's worker sleeps (residency, sleep mode): its weights in host memory; a request for it wakes it",
   };
 
   function setBanner(state, lastExit) {

@@ -314,3 +314,26 @@ def test_an_anthropic_stream_tells_of_a_refusal_in_words_the_relay_reads_as_one(
     assert not vllm.ANTHROPIC_REFUSAL.told(event(said, kind="invalid_request_error"))
     delta = json.dumps({"type": "content_block_delta", "delta": {"type": "text_delta", "text": said}})
     assert not vllm.ANTHROPIC_REFUSAL.told(f"event: content_block_delta\ndata: {delta}\n\n".encode())
+
+
+def test_the_sleep_mode_routes_answer_what_supervisor_engine_sleep_reads() -> None:
+    """Read from the source (no CPU worker has a sleep mode): the dev routes SLEEP_PATH and
+    WAKE_UP_PATH reach, their answers' `status`, the level and mode SLEEP_PATH asks for, and
+    that only VLLM_SERVER_DEV_MODE registers them."""
+    router = engine_sources("vllm/entrypoints/serve/dev/sleep/api_router.py")
+    routes = set(re.findall(r'@router\.(?:post|get)\("(/[a-z_]+)"\)', router))
+    VLLM.require({vllm.SLEEP_PATH.split("?")[0], vllm.WAKE_UP_PATH, vllm.IS_SLEEPING_PATH}
+                 <= routes <= set(vllm.DEV_PATHS), "vLLM's sleep router serves the paths named",
+                 sorted(routes))
+    VLLM.require('{"status": "sleeping", "level": level}' in router
+                 and '"status": "awake" if fully_awake else "sleeping"' in router,
+                 "/sleep answers status 'sleeping', /wake_up 'awake' once fully awake")
+    VLLM.require("Query(ge=0, le=2)" in router and "PauseMode" in router,
+                 "/sleep takes a level 0 to 2 and a PauseMode")
+    modes = engine_sources("vllm/v1/engine/__init__.py")
+    VLLM.require('PauseMode = Literal["abort", "wait", "keep"]' in modes,
+                 "PauseMode still has 'wait' (requests in flight finish)")
+    server = engine_sources("vllm/entrypoints/launchers/api_server/routers.py")
+    VLLM.require("if envs.VLLM_SERVER_DEV_MODE:" in server
+                 and "register_vllm_dev_api_routers(app)" in server,
+                 "the dev routes are registered only under VLLM_SERVER_DEV_MODE")

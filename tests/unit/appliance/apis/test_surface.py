@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from appliance.core.engine import EngineState
+from appliance.fences.vllm import DEV_PATHS
+from load.kit.synthetic_sleep import SleepRoutes
 from tests.unit.appliance.fakes import (
     FakeEngine,
     appliance,
@@ -312,3 +314,20 @@ async def test_a_responses_input_that_fills_the_window_is_400_naming_input() -> 
         error = response.json()["error"]
         assert error["param"] == "input" and error["code"] == "context_length_exceeded"
         assert fake.received == []
+
+
+async def test_clients_never_reach_the_workers_sleep_mode_or_other_dev_routes() -> None:
+    """A sleeping model's worker serves vLLM's dev routes on its private socket; the API has
+    no route to any of them, whatever the method or key."""
+    async with upstream() as (fake, url), appliance(FakeEngine(url),
+                                                    server={"api_keys": [KEY]}) as client:
+        fake.sleep = SleepRoutes()
+        auth = {"authorization": f"Bearer {KEY}"}
+        for path in DEV_PATHS:
+            for method in ("GET", "POST"):
+                answer = await client.request(method, path + "?level=1", headers=auth)
+                assert answer.status_code in (404, 405), (method, path, answer.status_code)
+        answered = await client.post("/v1/chat/completions", headers=auth,
+                                     json={"messages": HI, "max_tokens": 2})
+        assert answered.status_code == 200  # the worker is reached where a route leads to it
+        assert fake.sleep.calls == [] and not fake.sleep.sleeping

@@ -16,6 +16,7 @@ from appliance.core.engine import EngineState, Waiting
 from appliance.core.settings import Settings
 from supervisor.engine.exits import ExitCause, ExitReason
 from supervisor.engine.manager import EngineManager, Forensics
+from supervisor.engine.sleep import SleepMode
 from supervisor.engine.stats import EngineStats
 from supervisor.engine.worker import StopReport, Worker
 from supervisor.monitors import Monitor
@@ -128,7 +129,7 @@ def engine_activity(worker: Worker, threads: bool) -> Activity:
 
 def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | None = None,
                  status: dict[str, float] | None = None, forensics: Forensics | None = None,
-                 **supervisor: float) -> EngineManager:
+                 sleeper: SleepMode | None = None, **supervisor: float) -> EngineManager:
     settings = Settings(supervisor={"backoff_jitter": 0, "backoff_initial_s": 1,
                                     "backoff_max_s": 8, **supervisor}, status=status or {})
     prober, sup = FakeProber(launcher), settings.supervisor
@@ -140,7 +141,8 @@ def make_manager(launcher: FakeLauncher, clock: FakeClock, *, gpu: FakeGpu | Non
     if gpu is not None:
         monitors.append(GpuHealthMonitor(gpu))  # type: ignore[arg-type]
     return EngineManager(settings, launcher, prober, monitors, gpu=gpu,  # type: ignore[arg-type]
-                         forensics=forensics, clock=clock, sleep=clock.sleep, rand=lambda: 0.5)
+                         forensics=forensics, clock=clock, sleep=clock.sleep, rand=lambda: 0.5,
+                         sleeper=sleeper)
 
 
 async def until(condition: Callable[[], bool], turns: int = 5000) -> None:

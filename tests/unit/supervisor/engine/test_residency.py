@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -32,6 +33,7 @@ class FakeManager:
         self.state = EngineState.READY if loaded else EngineState.UNLOADED
         self.boot_s = boot_s
         self.loads = 0
+        self.sleep_counts: Counter[str] = Counter()
         self._changed = asyncio.Event()
         self._booting: asyncio.Task[None] | None = None
 
